@@ -1,0 +1,30 @@
+# CPU dependency set (see ../shared/DESIGN.md "Where things run"). torchrec goes in with
+# --no-deps because its metadata asks for the CUDA fbgemm-gpu, which must not sit beside
+# fbgemm-gpu-cpu.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CPU_DEPS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 tqdm \
+	pyre-extensions iopath pytest hypothesis matplotlib numpy
+NPROC ?= 2
+
+.PHONY: install test demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(CPU_DEPS)
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+demo: install
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) examples/dlrm/demo.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

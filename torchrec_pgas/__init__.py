@@ -1,0 +1,45 @@
+"""TorchRec sharding types whose input and output distributions are one-sided puts.
+
+Importing this package is cheap: TorchRec is only imported when one of the names
+below that needs it is first used (``register`` is also the ``torchrec.plugins``
+entry point ``pgas``).
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from torchrec_pgas.types import PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
+
+if TYPE_CHECKING:
+    from torchrec_pgas.planner.registration import is_registered, register, unregister
+    from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+
+__all__ = [
+    "PGAS_SHARDING_TYPES",
+    "PGAS_TABLE_WISE",
+    "PgasEmbeddingBagCollectionSharder",
+    "PgasOptions",
+    "is_registered",
+    "register",
+    "unregister",
+]
+
+# Exported name -> module defining it, imported on first use (PEP 562).
+_LAZY = {
+    "PgasEmbeddingBagCollectionSharder": "torchrec_pgas.sharder",
+    "is_registered": "torchrec_pgas.planner.registration",
+    "register": "torchrec_pgas.planner.registration",
+    "unregister": "torchrec_pgas.planner.registration",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

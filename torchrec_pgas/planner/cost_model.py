@@ -1,0 +1,163 @@
+r"""Perf model of ``pgas_table_wise`` for TorchRec's ``EmbeddingPerfEstimator``.
+
+The lookup itself is the table-wise lookup, so the compute terms (``fwd_compute``,
+``bwd_compute``, ``prefetch_compute``) are TorchRec's table-wise ones, computed on a
+context relabelled as ``table_wise`` (so hardware configs that tune table-wise apply).
+Only the communication differs. Table-wise moves data with NCCL all-to-alls: the input
+dist first exchanges per-rank splits, then ids and lengths; the output dist waits for
+the whole lookup, all-to-alls the pooled embeddings, then permutes and unpacks them.
+PGAS replaces each all-to-all by one-sided puts into symmetric buffers plus one signal
+per peer: there is no splits exchange and no collective to wait for, pooled rows are put
+straight into the requester's output tensor as the lookup produces them, and gradients
+are put straight back to the owner the same way.
+
+Notation, per shard (all quantities are what TorchRec's ``ShardPerfContext`` holds;
+times in ms, bandwidths in bytes/ms as in TorchRec's topology)::
+
+    W        world size             L   = min(local world size, W)
+    B        batch_outputs per rank  d   = embedding dim
+    I        batch_inputs per rank   N   = sum(num_poolings * batch_sizes), bags per rank
+    s_in     input dtype size        s_f, s_b = forward / backward comm dtype size
+    BW_intra, BW_inter               the topology's intra- and inter-host bandwidths
+    lambda   SIGNAL_LATENCY_MS, cost of one signal to one peer
+
+A put of X bytes spread evenly over the W ranks uses the intra-host links for the L
+ranks of the owner's host and the inter-host links for the rest, concurrently::
+
+    T_put(X) = max(X * L / W / BW_intra, X * (W - L) / W / BW_inter)
+    T_sig    = (W - 1) * lambda
+
+and the model is::
+
+    input_dist_comms = T_put((I + N) * W * s_in) + T_sig             # ids + lengths
+    fwd_comms        = max(0, T_put(B * W * d * s_f) - fwd_compute) + T_sig
+    bwd_comms        = max(0, T_put(B * W * d * s_b) - bwd_compute) + T_sig
+
+The ``max(0, put - compute)`` terms are the puts left exposed once they overlap the
+lookup (forward) or the gradient scatter (backward). TorchRec charges table-wise
+``B * W * d * s / BW_a2a`` for each direction, with ``BW_a2a`` the intra-host bandwidth
+on one host and the inter-host one across hosts; since ``T_put`` never exceeds that, a
+``pgas_table_wise`` shard costs less than the same ``table_wise`` shard whenever
+``min(T_put, compute) > T_sig``, i.e. for all but tiny tables on many ranks, where the
+signals are what it pays for and the planner rightly keeps ``table_wise``.
+"""
+
+from dataclasses import replace
+from typing import Dict, Tuple
+
+from torchrec.distributed.planner.estimator.estimator import (
+    EmbeddingShardingPerfEvaluator,
+    InferenceShardingPerfEvaluator,
+    TableWiseEvaluator,
+)
+from torchrec.distributed.planner.estimator.types import (
+    HardwarePerfConfig,
+    ShardPerfContext,
+)
+
+from torchrec_pgas.planner.layout import torchrec_layout
+from torchrec_pgas.types import PGAS_TABLE_WISE
+
+#: Cost, in ms, of signalling one peer. Signals to different peers are in flight together,
+#: so each adds its issue cost (~100 ns), not a whole link round trip.
+SIGNAL_LATENCY_MS: float = 1e-4
+
+
+class PgasTableWiseEvaluator(TableWiseEvaluator):
+    """TorchRec perf evaluator for ``pgas_table_wise`` (see the module docstring)."""
+
+    def compute_fwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        return super().compute_fwd_comp(_as_torchrec_layout(ctx), config)
+
+    def compute_bwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)
+
+    def compute_prefetch_comp(
+        self, ctx: ShardPerfContext, config: HardwarePerfConfig
+    ) -> float:
+        return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)
+
+    def _default_input_dist_comms(
+        self, ctx: ShardPerfContext, config: HardwarePerfConfig
+    ) -> float:
+        bags = sum(n * b for n, b in zip(ctx.num_poolings, ctx.batch_sizes))
+        ids_and_lengths = (ctx.batch_inputs + bags) * ctx.world_size * ctx.input_data_type_size
+        return self._put_ms(ctx, config, ids_and_lengths) + _signals_ms(ctx)
+
+    def _default_fwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        pooled = self._get_output_write_size(
+            ctx, self._get_comm_data_type_size(ctx, is_fwd=True)
+        )
+        exposed = self._put_ms(ctx, config, pooled) - self.compute_fwd_comp(ctx, config)
+        return max(0.0, exposed) + _signals_ms(ctx)
+
+    def _default_bwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        grads = self._get_output_write_size(
+            ctx, self._get_comm_data_type_size(ctx, is_fwd=False)
+        )
+        exposed = self._put_ms(ctx, config, grads) - self.compute_bwd_comp(ctx, config)
+        return max(0.0, exposed) + _signals_ms(ctx)
+
+    def _put_ms(self, ctx: ShardPerfContext, config: HardwarePerfConfig, nbytes: float) -> float:
+        """``T_put``: ``nbytes`` spread evenly over all ranks, intra and inter links at once."""
+        (intra_bw, inter_bw) = _link_bandwidths(ctx, config)
+        local = min(ctx.local_world_size, ctx.world_size)
+        remote = ctx.world_size - local
+        intra_ms = nbytes * local / ctx.world_size / intra_bw
+        # One host has no inter-host traffic, and its topology may leave that bandwidth 0.
+        inter_ms = nbytes * remote / ctx.world_size / inter_bw if remote else 0.0
+        return max(intra_ms, inter_ms)
+
+
+class PgasTableWiseInferenceEvaluator(InferenceShardingPerfEvaluator, PgasTableWiseEvaluator):
+    """``pgas_table_wise`` for inference: the forward terms only."""
+
+
+_TRAINING_EVALUATORS: Dict[str, EmbeddingShardingPerfEvaluator] = {
+    PGAS_TABLE_WISE: PgasTableWiseEvaluator(),
+}
+_INFERENCE_EVALUATORS: Dict[str, EmbeddingShardingPerfEvaluator] = {
+    PGAS_TABLE_WISE: PgasTableWiseInferenceEvaluator(),
+}
+
+
+def pgas_perf_evaluator(
+    sharding_type: str, is_inference: bool = False
+) -> EmbeddingShardingPerfEvaluator:
+    """The perf evaluator of a PGAS sharding type.
+
+    Args:
+        sharding_type: one of ``PGAS_SHARDING_TYPES``.
+        is_inference: whether to leave out the backward terms.
+
+    Raises:
+        KeyError: if ``sharding_type`` has no cost model.
+    """
+    evaluators = _INFERENCE_EVALUATORS if is_inference else _TRAINING_EVALUATORS
+    if sharding_type not in evaluators:
+        raise KeyError(f"no PGAS cost model for sharding type {sharding_type!r}")
+    return evaluators[sharding_type]
+
+
+def _as_torchrec_layout(ctx: ShardPerfContext) -> ShardPerfContext:
+    return replace(ctx, sharding_type=torchrec_layout(ctx.sharding_type))
+
+
+def _link_bandwidths(
+    ctx: ShardPerfContext, config: HardwarePerfConfig
+) -> Tuple[float, float]:
+    """(BW_intra, BW_inter): the hardware config's override, else the topology's.
+
+    Read from ``ctx.comms_bandwidths``: TorchRec leaves ``ctx.intra_host_bw`` and
+    ``ctx.inter_host_bw`` at 0.
+    """
+    comms = ctx.comms_bandwidths
+    assert comms is not None, "TorchRec builds every ShardPerfContext with comms bandwidths"
+    intra = config.intra_host_bw if config.intra_host_bw is not None else comms.intra_host_bw
+    inter = config.inter_host_bw if config.inter_host_bw is not None else comms.inter_host_bw
+    return (intra, inter)
+
+
+def _signals_ms(ctx: ShardPerfContext) -> float:
+    """``T_sig``: one signal to every other rank."""
+    return (ctx.world_size - 1) * SIGNAL_LATENCY_MS

@@ -1,0 +1,1 @@
+"""The PGAS sharding types: ``EmbeddingSharding`` subclasses and their exchanges."""

@@ -1,0 +1,110 @@
+"""Layout of one source's slot of ids in an owner's receive buffer.
+
+A slot holds one step of one source's features for one owner::
+
+    header   int64[8]                 status, batch size, number of ids, has weights,
+                                      three words of detail (see ``Status``), padding
+    lengths  int32[max_features * batch_capacity]   feature-major, like a KJT
+    ids      int64[ids_capacity]                    feature-major, like a KJT
+    weights  float32[ids_capacity]                  per-sample weights, if any
+
+Every source writes a slot to every rank at every step, even an empty one, so every
+rank learns of a bad batch from the same headers and raises the same error.
+"""
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+_HEADER_WORDS = 8
+
+
+class Status(IntEnum):
+    """What a source reports in a slot header, with the meaning of the detail words."""
+
+    OK = 0
+    #: detail = (feature index in the sharding, offending id, number of rows)
+    ID_OUT_OF_RANGE = 1
+    #: detail = (batch size, most ids for one owner, 0)
+    OVER_CAPACITY = 2
+    #: detail = (feature index with a negative length, or -1 when the lengths do not
+    #: add up to the number of values)
+    BAD_LENGTHS = 3
+    #: the KJT has a variable batch size per feature (VBE), which is not supported
+    VARIABLE_BATCH = 4
+
+
+@dataclass
+class Header:
+    status: Status
+    batch_size: int
+    num_ids: int
+    has_weights: bool
+    detail: tuple
+
+    def encode(self) -> torch.Tensor:
+        words = [int(self.status), self.batch_size, self.num_ids, int(self.has_weights)]
+        words += list(self.detail) + [0] * (_HEADER_WORDS - 4 - len(self.detail))
+        return torch.tensor(words, dtype=torch.int64)
+
+    @staticmethod
+    def decode(words: torch.Tensor) -> "Header":
+        w = words.tolist()
+        return Header(Status(w[0]), w[1], w[2], bool(w[3]), tuple(w[4:7]))
+
+
+def _align8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+@dataclass(frozen=True)
+class IdsSlotLayout:
+    """Byte offsets of the parts of a slot, for given capacities."""
+
+    max_features: int
+    batch_capacity: int
+    ids_capacity: int
+
+    @staticmethod
+    def for_batch(
+        max_features: int, batch_size: int, num_ids: int, headroom: float
+    ) -> "IdsSlotLayout":
+        """Capacities ``headroom`` times the given batch (at least one sample and id)."""
+        return IdsSlotLayout(
+            max_features=max_features,
+            batch_capacity=max(1, math.ceil(batch_size * headroom)),
+            ids_capacity=max(1, math.ceil(num_ids * headroom)),
+        )
+
+    @property
+    def lengths_offset(self) -> int:
+        return _HEADER_WORDS * 8
+
+    @property
+    def ids_offset(self) -> int:
+        return self.lengths_offset + _align8(4 * self.max_features * self.batch_capacity)
+
+    @property
+    def weights_offset(self) -> int:
+        return self.ids_offset + 8 * self.ids_capacity
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights_offset + _align8(4 * self.ids_capacity)
+
+    def fits(self, batch_size: int, num_ids: int) -> bool:
+        return batch_size <= self.batch_capacity and num_ids <= self.ids_capacity
+
+    def header(self, slot: torch.Tensor) -> Header:
+        return Header.decode(slot[: self.lengths_offset].view(torch.int64))
+
+    def lengths(self, slot: torch.Tensor, count: int) -> torch.Tensor:
+        return slot[self.lengths_offset : self.lengths_offset + 4 * count].view(torch.int32)
+
+    def ids(self, slot: torch.Tensor, count: int) -> torch.Tensor:
+        return slot[self.ids_offset : self.ids_offset + 8 * count].view(torch.int64)
+
+    def weights(self, slot: torch.Tensor, count: int) -> torch.Tensor:
+        return slot[self.weights_offset : self.weights_offset + 4 * count].view(torch.float32)

@@ -1,0 +1,322 @@
+"""The table-wise algorithm on a one-sided transport.
+
+Forward, for a step ``k``:
+
+1. ``send_ids``: every source puts, for every owner, a slot with the lengths, ids and
+   weights of the features whose tables that owner holds, then signals it. No sizes
+   are exchanged: each source has its own slot at each owner.
+2. ``recv_ids``: an owner waits for the slots of all sources and forms the KJT its
+   lookup pools: each feature's bags of source 0, then of source 1, ...
+3. ``exchange_pooled``: the owner puts the pooled rows of source ``s`` straight into
+   ``s``'s output, at the column block of the owner's tables, and signals ``s``; each
+   requester waits for the owners that hold any table. No permute is needed after.
+
+Backward: ``exchange_grads`` puts each owner's column block of the output gradient
+into that owner's per-source slot; the owner stacks them in lookup order and hands
+them to TorchRec's lookup, whose fused optimizer applies the update.
+"""
+
+import collections
+from dataclasses import dataclass
+from typing import Deque, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status
+from torchrec_pgas.transport import Mailbox, PgasError, Transport
+
+
+class PgasInputError(PgasError, ValueError):
+    """A rank fed a batch that cannot be served; raised on every rank."""
+
+
+@dataclass(frozen=True)
+class TwFeature:
+    """A feature as the table-wise plan places it."""
+
+    name: str
+    table: str
+    num_embeddings: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the output and gradient exchanges of one step need from its input."""
+
+    batch_sizes: List[int]
+
+
+class TwExchange:
+    """Moves one table-wise sharding's ids, pooled rows and gradients.
+
+    Args:
+        transport: one-sided transport over the sharding's process group.
+        features_per_rank: the features each rank owns, in the sharding's order.
+        dim_sum_per_rank: the total embedding dim of the tables each rank owns.
+        out_dtype: dtype of the pooled embeddings (the lookup's output dtype).
+        headroom: capacity factor over the first batch (see ``PgasOptions``).
+        name: prefix of error messages.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        features_per_rank: Sequence[Sequence[TwFeature]],
+        dim_sum_per_rank: Sequence[int],
+        out_dtype: torch.dtype,
+        headroom: float,
+        name: str,
+    ) -> None:
+        self._t = transport
+        self._features_per_rank = [list(f) for f in features_per_rank]
+        self._features = [f for fs in self._features_per_rank for f in fs]
+        self._num_rows = torch.tensor([f.num_embeddings for f in self._features], dtype=torch.int64)
+        self._dims = list(dim_sum_per_rank)
+        self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
+        self._dim_total = sum(self._dims)
+        self._out_dtype = out_dtype
+        self._elem = torch.empty((), dtype=out_dtype).element_size()
+        self._headroom = headroom
+        self._name = name
+        self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
+        self._layout: Optional[IdsSlotLayout] = None
+        self._ids: Optional[Mailbox] = None
+        self._out: Optional[Mailbox] = None
+        self._grads: Optional[Mailbox] = None
+        self._send_step = 0
+        self._recv_step = 0
+        self._out_step = 0
+        self._grad_step = 0
+        self._routes: Deque[Route] = collections.deque()
+
+    # ----------------------------------------------------------------- set-up
+
+    def _allocate(self, batch_size: int, max_ids: int) -> None:
+        """Sizes the buffers from the largest first batch of any rank (collective)."""
+        sizes = torch.tensor([batch_size, max_ids], dtype=torch.int64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
+        max_features = max(len(f) for f in self._features_per_rank)
+        self._layout = IdsSlotLayout.for_batch(
+            max_features, int(sizes[0]), int(sizes[1]), self._headroom
+        )
+        elem = self._elem
+        rows = self._layout.batch_capacity
+        self._ids = Mailbox(self._t, self._layout.nbytes, True, f"{self._name} ids")
+        self._out = Mailbox(
+            self._t, rows * self._dim_total * elem, False, f"{self._name} pooled rows"
+        )
+        self._grads = Mailbox(
+            self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients"
+        )
+
+    # ------------------------------------------------------------ ids forward
+
+    def _check(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Header:
+        """The status this source reports for ``kjt`` (before any capacity check)."""
+        batch = kjt.stride()
+        ok = Header(Status.OK, batch, 0, kjt.weights_or_none() is not None, ())
+        if kjt.variable_stride_per_key():
+            return Header(Status.VARIABLE_BATCH, batch, 0, False, ())
+        negative = torch.nonzero(lengths < 0)
+        if negative.numel():
+            feature = int(negative[0, 0]) // batch
+            return Header(Status.BAD_LENGTHS, batch, 0, False, (feature,))
+        per_key = lengths.view(len(self._features), batch).sum(1)
+        if int(per_key.sum()) != kjt.values().numel():
+            return Header(Status.BAD_LENGTHS, batch, 0, False, (-1,))
+        values = kjt.values()
+        limits = torch.repeat_interleave(self._num_rows, per_key)
+        bad = (values < 0) | (values >= limits)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            feature = int(torch.searchsorted(per_key.cumsum(0), i, right=True))
+            return Header(
+                Status.ID_OUT_OF_RANGE, batch, 0, False,
+                (feature, int(values[i]), int(self._num_rows[feature])),
+            )
+        return ok
+
+    def send_ids(self, kjt: KeyedJaggedTensor) -> None:
+        """Puts this rank's ids for the next step into every owner's slot."""
+        if kjt.keys() != [f.name for f in self._features]:
+            raise PgasInputError(
+                f"{self._name}: rank {self._t.rank} got features {kjt.keys()}, "
+                f"the plan expects {[f.name for f in self._features]}"
+            )
+        lengths = kjt.lengths().to(torch.int32)
+        header = self._check(kjt, lengths)
+        batch = header.batch_size
+        counts = [len(f) for f in self._features_per_rank]
+        if header.status == Status.OK:
+            per_key = lengths.view(len(self._features), batch).sum(1)
+            ids_per_owner = [int(s.sum()) for s in per_key.split(counts)]
+        else:
+            ids_per_owner = [0] * len(counts)
+        if self._layout is None:
+            self._allocate(batch, max(ids_per_owner))
+        layout, box = self._layout, self._ids
+        assert layout is not None and box is not None
+        if header.status == Status.OK and not layout.fits(batch, max(ids_per_owner)):
+            header = Header(Status.OVER_CAPACITY, batch, 0, False, (batch, max(ids_per_owner)))
+
+        self._send_step += 1
+        step = self._send_step
+        ok = header.status == Status.OK
+        values = kjt.values().to(torch.int64)
+        weights = kjt.weights_or_none()
+        lengths_by_owner = lengths.split([c * batch for c in counts])
+        ids_by_owner = values.split(ids_per_owner) if ok else [values[:0]] * len(counts)
+        weights_by_owner = (
+            weights.split(ids_per_owner) if ok and weights is not None else [None] * len(counts)
+        )
+        for owner in range(self._t.world_size):
+            num_ids = ids_per_owner[owner]
+            base = box.begin_send(owner, step)
+            owner_header = Header(header.status, batch, num_ids, header.has_weights, header.detail)
+            self._t.put(box.buffer, owner, base, owner_header.encode())
+            if ok:
+                self._t.put(box.buffer, owner, base + layout.lengths_offset, lengths_by_owner[owner])
+                self._t.put(box.buffer, owner, base + layout.ids_offset, ids_by_owner[owner])
+                w = weights_by_owner[owner]
+                if w is not None:
+                    self._t.put(
+                        box.buffer, owner, base + layout.weights_offset, w.to(torch.float32)
+                    )
+            box.end_send(owner, step)
+
+    def _error(self, source: int, header: Header) -> str:
+        d = header.detail
+        if header.status == Status.ID_OUT_OF_RANGE:
+            f = self._features[d[0]]
+            return (
+                f"rank {source} sent id {d[1]} for feature '{f.name}' of table '{f.table}', "
+                f"which has {d[2]} rows (ids must be in [0, {d[2]}))"
+            )
+        if header.status == Status.OVER_CAPACITY:
+            assert self._layout is not None
+            return (
+                f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
+                f"over capacity ({self._layout.batch_capacity} samples, "
+                f"{self._layout.ids_capacity} ids): the buffers are sized at the first "
+                f"batch times PgasOptions.headroom; raise headroom"
+            )
+        if header.status == Status.BAD_LENGTHS:
+            where = f" (negative length in feature '{self._features[d[0]].name}')" if d[0] >= 0 else ""
+            return f"rank {source} sent a KJT whose lengths and values disagree{where}"
+        return (
+            f"rank {source} sent a KJT with a variable batch size per feature, which "
+            f"{self._name} does not support"
+        )
+
+    def recv_ids(self) -> KeyedJaggedTensor:
+        """Waits for every source's slot of the next step; returns the owner's KJT."""
+        box, layout = self._ids, self._layout
+        assert box is not None and layout is not None, "recv_ids before send_ids"
+        self._recv_step += 1
+        step = self._recv_step
+        me = self._t.rank
+        features = self._features_per_rank[me]
+        nf = len(features)
+        headers, lengths, ids, weights = [], [], [], []
+        for source in range(self._t.world_size):
+            box.wait(source, step)
+            slot = box.slot(source, step)
+            h = layout.header(slot)
+            headers.append(h)
+            if h.status == Status.OK:
+                ln = layout.lengths(slot, nf * h.batch_size).view(nf, h.batch_size).clone()
+                lengths.append(ln)
+                ids.append(layout.ids(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
+                if h.has_weights:
+                    weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
+            box.release(source, step)
+        errors = [self._error(s, h) for s, h in enumerate(headers) if h.status != Status.OK]
+        if errors:
+            raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
+        self._routes.append(Route([h.batch_size for h in headers]))
+        has_weights = {h.has_weights for h in headers}
+        if len(has_weights) > 1:
+            raise PgasInputError(
+                f"{self._name} step {step}: some ranks sent per-sample weights and some did not"
+            )
+        order = range(self._t.world_size)
+        values = torch.cat([ids[s][f] for f in range(nf) for s in order] or [torch.empty(0, dtype=torch.int64)])
+        return KeyedJaggedTensor(
+            keys=[f.name for f in features],
+            values=values,
+            lengths=torch.cat(lengths, dim=1).view(-1) if lengths else torch.empty(0, dtype=torch.int32),
+            weights=torch.cat([weights[s][f] for f in range(nf) for s in order] or [torch.empty(0)])
+            if has_weights == {True}
+            else None,
+            stride=sum(h.batch_size for h in headers),
+        )
+
+    def pop_route(self) -> Route:
+        """The route of the oldest step whose ids were received and not yet pooled."""
+        if not self._routes:
+            raise PgasError(f"{self._name}: output dist called without a matching input dist")
+        return self._routes.popleft()
+
+    # ---------------------------------------------------------- pooled forward
+
+    def exchange_pooled(self, local_embs: torch.Tensor, route: Route) -> torch.Tensor:
+        """Puts each requester's pooled rows at its output; returns this rank's output."""
+        box = self._out
+        assert box is not None
+        self._out_step += 1
+        step = self._out_step
+        me = self._t.rank
+        elem = self._elem
+        pitch = self._dim_total * elem
+        if self._dims[me] > 0:
+            rows = local_embs.detach().to(self._out_dtype).split(route.batch_sizes)
+            for requester, block in enumerate(rows):
+                base = box.begin_send(requester, step)
+                self._t.put_rows(
+                    box.buffer, requester, base + self._col_offsets[me] * elem, pitch, block
+                )
+                box.end_send(requester, step)
+        batch = route.batch_sizes[me]
+        for owner in self._owners_with_tables:
+            box.wait(owner, step)
+        out = (
+            box.slot(me, step)[: batch * pitch]
+            .view(self._out_dtype)
+            .view(batch, self._dim_total)
+            .clone()  # the slot is reused two steps on, the output may live longer
+        )
+        for owner in self._owners_with_tables:
+            box.release(owner, step)
+        return out
+
+    # ---------------------------------------------------------------- backward
+
+    def exchange_grads(
+        self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size
+    ) -> torch.Tensor:
+        """Puts each owner's block of ``grad_out``; returns the gradient of the
+        local pooled embeddings, rows in lookup order."""
+        box = self._grads
+        assert box is not None
+        self._grad_step += 1
+        step = self._grad_step
+        me = self._t.rank
+        grad_out = grad_out.to(self._out_dtype)
+        for owner in self._owners_with_tables:
+            c0 = self._col_offsets[owner]
+            base = box.begin_send(owner, step)
+            self._t.put(box.buffer, owner, base, grad_out[:, c0 : c0 + self._dims[owner]].contiguous())
+            box.end_send(owner, step)
+        if self._dims[me] == 0:
+            return grad_out.new_zeros(local_embs_shape)
+        blocks = []
+        for source, batch in enumerate(route.batch_sizes):
+            box.wait(source, step)
+            nbytes = batch * self._dims[me] * grad_out.element_size()
+            blocks.append(
+                box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dims[me]).clone()
+            )
+            box.release(source, step)
+        return torch.cat(blocks)

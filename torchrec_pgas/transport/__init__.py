@@ -1,0 +1,63 @@
+"""One-sided transports: the interface, the host (shared memory) implementation, and
+the mailbox protocol that the sharding types build on."""
+
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from torchrec_pgas.transport.base import (
+    PgasError,
+    PgasTimeoutError,
+    PgasTransportUnavailableError,
+    SignalArray,
+    SymmetricBuffer,
+    Transport,
+)
+from torchrec_pgas.transport.mailbox import Mailbox
+from torchrec_pgas.types import PgasOptions
+
+__all__ = [
+    "Mailbox",
+    "PgasError",
+    "PgasTimeoutError",
+    "PgasTransportUnavailableError",
+    "SignalArray",
+    "SymmetricBuffer",
+    "Transport",
+    "get_transport",
+]
+
+_TRANSPORTS: Dict[Tuple[int, str, float], Tuple[dist.ProcessGroup, Transport]] = {}
+
+
+def _resolve_kind(device: torch.device, options: PgasOptions) -> str:
+    if options.transport != "auto":
+        return options.transport
+    return "nvshmem" if device.type == "cuda" else "host"
+
+
+def get_transport(
+    pg: dist.ProcessGroup, device: torch.device, options: PgasOptions
+) -> Transport:
+    """The transport for ``pg`` (created collectively on first use, then shared).
+
+    ``options.transport="auto"`` chooses NVSHMEM for CUDA devices and the host
+    transport otherwise.
+    """
+    kind = _resolve_kind(device, options)
+    key = (id(pg), kind, options.timeout_s)
+    if key not in _TRANSPORTS:
+        if kind == "host":
+            from torchrec_pgas.transport.host import HostTransport
+
+            transport: Transport = HostTransport(pg, timeout_s=options.timeout_s)
+        elif kind == "nvshmem":
+            raise PgasTransportUnavailableError(
+                "the NVSHMEM transport is not available in this build of torchrec_pgas; "
+                "use CPU devices with the host transport (PgasOptions(transport='host'))"
+            )
+        else:
+            raise ValueError(f"unknown transport {kind!r}: expected 'auto', 'host' or 'nvshmem'")
+        _TRANSPORTS[key] = (pg, transport)
+    return _TRANSPORTS[key][1]
