@@ -11,6 +11,7 @@ optimizers behave identically. Only the two collectives are replaced: see
 from typing import Any, List, Optional, TypeVar
 
 import torch
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
@@ -82,6 +83,10 @@ class _ExchangePooled(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape)
+        if get_gradient_division():
+            # TorchRec's all-to-all backward averages over ranks, the way DDP does for
+            # dense parameters; match it so that training is identical.
+            grad.div_(ctx.exchange.world_size)
         return grad, None, None, None
 
 

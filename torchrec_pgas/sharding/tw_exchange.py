@@ -91,6 +91,10 @@ class TwExchange:
         self._grad_step = 0
         self._routes: Deque[Route] = collections.deque()
 
+    @property
+    def world_size(self) -> int:
+        return self._t.world_size
+
     # ----------------------------------------------------------------- set-up
 
     def _allocate(self, batch_size: int, max_ids: int) -> None:

@@ -1,0 +1,200 @@
+"""Real multi-process runs for the tests: gloo process groups on this machine."""
+
+import copy
+import os
+import socket
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingPlan
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, kwargs: Dict[str, Any]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(rank=rank, world_size=world_size, **kwargs)
+        dist.barrier()  # no rank tears the group down while a peer still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, **kwargs: Any) -> None:
+    """Runs ``fn(rank=, world_size=, **kwargs)`` in ``world_size`` fresh processes of
+    one gloo group; a failure in any rank fails the caller with that rank's traceback."""
+    mp.start_processes(
+        _entry,
+        args=(fn, world_size, _free_port(), kwargs),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
+
+
+class Wrapper(nn.Module):
+    """DMP shards submodules, so the EBC under test sits one level down."""
+
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ebc(kjt)
+
+
+def make_tables(
+    num_tables: int,
+    seed: int,
+    pooling: PoolingType = PoolingType.SUM,
+) -> List[EmbeddingBagConfig]:
+    """Tables of uneven sizes and dims (dims a multiple of 4, as FBGEMM wants)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=4 * int(torch.randint(1, 5, (1,), generator=g)),
+            num_embeddings=int(torch.randint(5, 40, (1,), generator=g)),
+            feature_names=[f"f{i}"],
+            pooling=pooling,
+        )
+        for i in range(num_tables)
+    ]
+
+
+def random_kjt(
+    tables: Sequence[EmbeddingBagConfig],
+    batch_size: int,
+    seed: int,
+    weighted: bool = False,
+    max_len: int = 4,
+) -> KeyedJaggedTensor:
+    """A KJT with empty bags, ids over the whole range of each table (bounds included)."""
+    g = torch.Generator().manual_seed(seed)
+    keys, lengths, values = [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            ln = torch.randint(0, max_len + 1, (batch_size,), generator=g)
+            keys.append(f)
+            lengths.append(ln)
+            values.append(torch.randint(0, t.num_embeddings, (int(ln.sum()),), generator=g))
+    v = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=v,
+        lengths=torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64),
+        weights=torch.rand(v.numel(), generator=g) if weighted else None,
+    )
+
+
+def shard(
+    ref: EmbeddingBagCollection,
+    placement: Dict[str, Callable],
+    world_size: int,
+    sharder: Any,
+) -> DistributedModelParallel:
+    """A DMP of a copy of ``ref`` placed by ``placement`` (table -> generator), with
+    ``ref``'s weights."""
+    plan = construct_module_sharding_plan(
+        ref,
+        per_param_sharding=placement,
+        world_size=world_size,
+        local_size=world_size,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    model = Wrapper(copy.deepcopy(ref))
+    dmp = DistributedModelParallel(
+        model,
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
+    load_full_state_dict(dmp, ref.state_dict())
+    return dmp
+
+
+def load_full_state_dict(dmp: nn.Module, full: Dict[str, torch.Tensor]) -> None:
+    """Copies unsharded tensors into the local shards of a sharded model."""
+    for key, value in dmp.state_dict().items():
+        src = full[key.split("ebc.", 1)[1]]
+        for s in value.local_shards():
+            (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+            s.tensor.detach().copy_(src[r : r + nr, c : c + nc])
+
+
+def gather_full_state_dict(dmp: nn.Module, ref: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
+    """The whole weights of a sharded model, on every rank (an all-reduce of shards)."""
+    out = {}
+    for key, value in dmp.state_dict().items():
+        name = key.split("ebc.", 1)[1]
+        full = torch.zeros_like(ref.state_dict()[name])
+        for s in value.local_shards():
+            (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+            full[r : r + nr, c : c + nc] = s.tensor.detach()
+        dist.all_reduce(full)
+        out[name] = full
+    return out
+
+
+def tw_placement(tables: Sequence[EmbeddingBagConfig], owners: Sequence[int], gen: Callable) -> Dict[str, Callable]:
+    return {t.name: gen(o) for t, o in zip(tables, owners)}
+
+
+def assert_same_kt(actual, expected, exact: bool) -> None:
+    a, e = actual.to_dict(), expected.to_dict()
+    assert sorted(a) == sorted(e)
+    for k in e:
+        if exact:
+            assert torch.equal(a[k], e[k]), (k, a[k], e[k])
+        else:
+            torch.testing.assert_close(a[k], e[k], rtol=1e-5, atol=1e-6)
+
+
+def reference_pooled(
+    tables: Sequence[EmbeddingBagConfig],
+    weights: Dict[str, torch.Tensor],
+    kjt: KeyedJaggedTensor,
+) -> Dict[str, torch.Tensor]:
+    """Pooled embeddings per feature in float64, bag by bag: the independent oracle
+    (the unsharded module has no weighted mean pooling)."""
+    out = {}
+    jt = kjt.to_dict()
+    for t in tables:
+        table = weights[f"embedding_bags.{t.name}.weight"].double()
+        for f in t.feature_names:
+            rows = []
+            for i, ids in enumerate(jt[f].to_dense()):
+                w = (
+                    jt[f].to_dense_weights()[i].double()
+                    if kjt.weights_or_none() is not None
+                    else torch.ones(len(ids), dtype=torch.float64)
+                )
+                pooled = (table[ids] * w[:, None]).sum(0)
+                if t.pooling == PoolingType.MEAN and len(ids):
+                    pooled = pooled / len(ids)
+                rows.append(pooled)
+            out[f] = torch.stack(rows) if rows else table.new_zeros(0, t.embedding_dim)
+    return out
+
+
+def assert_close_to_reference(actual, expected: Dict[str, torch.Tensor]) -> None:
+    a = actual.to_dict()
+    assert sorted(a) == sorted(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(a[k].double(), v, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,207 @@
+"""pgas_table_wise through DistributedModelParallel, on real gloo process groups,
+against the unsharded EmbeddingBagCollection and TorchRec's own table_wise."""
+
+import functools
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, PoolingType
+
+from dist_utils import (
+    assert_close_to_reference,
+    assert_same_kt,
+    gather_full_state_dict,
+    make_tables,
+    random_kjt,
+    reference_pooled,
+    run_ranks,
+    shard,
+    table_wise,
+    tw_placement,
+)
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.sharding.tw_exchange import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_table_wise
+from torchrec_pgas.types import PgasOptions
+
+FUSED = "fused"
+pgas_tw = functools.partial(pgas_table_wise, compute_kernel=FUSED)
+torchrec_tw = functools.partial(table_wise, compute_kernel=FUSED)
+
+
+def _models(world_size, tables, owners, weighted, seed, fused_params=None, options=None):
+    torch.manual_seed(seed)
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused_params, options=options)
+    pgas = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, sharder)
+    tw = shard(ref, tw_placement(tables, owners, torchrec_tw), world_size, sharder)
+    return ref, pgas, tw
+
+
+def _forward(rank, world_size, owners, batch_sizes, pooling, weighted):
+    for seed in range(3):
+        tables = make_tables(len(owners), seed, pooling)
+        ref, pgas, tw = _models(world_size, tables, owners, weighted, seed)
+        for step in range(3):
+            kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
+            grad_mode = torch.no_grad() if step == 2 else torch.enable_grad()
+            with grad_mode:
+                out = pgas(kjt)
+                assert_same_kt(out, tw(kjt), exact=True)
+                assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt))
+
+
+@pytest.mark.parametrize(
+    "world_size,owners,batch_sizes,pooling,weighted",
+    [
+        (2, [0, 1, 0, 1], [5, 3], PoolingType.SUM, False),
+        (2, [1, 1, 0], [2, 7], PoolingType.MEAN, False),
+        (2, [0, 1, 1], [4, 4], PoolingType.SUM, True),
+        # rank 1 owns no table
+        (3, [0, 2, 0, 2], [4, 1, 6], PoolingType.SUM, False),
+        (3, [2, 0, 2], [3, 5, 2], PoolingType.MEAN, True),
+    ],
+    ids=["w2-sum", "w2-mean", "w2-weighted", "w3-idle-rank", "w3-mean-weighted"],
+)
+def test_forward_matches_unsharded_and_table_wise(world_size, owners, batch_sizes, pooling, weighted):
+    run_ranks(
+        _forward,
+        world_size,
+        owners=owners,
+        batch_sizes=batch_sizes,
+        pooling=pooling,
+        weighted=weighted,
+    )
+
+
+def _train(rank, world_size, optimizer, owners, batch_sizes):
+    fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
+    tables = make_tables(len(owners), seed=7)
+    _, pgas, tw = _models(world_size, tables, owners, False, seed=7, fused_params=fused)
+    for step in range(5):
+        kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank)
+        g = torch.Generator().manual_seed(step)
+        outs = []
+        for model in (pgas, tw):
+            kt = model(kjt).to_dict()
+            loss = sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt))
+            loss.backward()
+            g.manual_seed(step)
+            outs.append({k: v.detach() for k, v in kt.items()})
+        for k in outs[1]:
+            assert torch.equal(outs[0][k], outs[1][k]), (step, k)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    w_pgas, w_tw = gather_full_state_dict(pgas, ref), gather_full_state_dict(tw, ref)
+    for name in w_tw:
+        assert torch.equal(w_pgas[name], w_tw[name]), name
+        assert not torch.equal(w_pgas[name], ref.state_dict()[name] * 0), name
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+@pytest.mark.parametrize(
+    "world_size,owners,batch_sizes",
+    [(2, [0, 1, 1, 0], [6, 3]), (3, [0, 0, 2], [2, 5, 4])],
+    ids=["w2", "w3-idle-rank"],
+)
+def test_training_matches_table_wise(optimizer, world_size, owners, batch_sizes):
+    run_ranks(_train, world_size, optimizer=optimizer, owners=owners, batch_sizes=batch_sizes)
+
+
+def _checkpoint(rank, world_size, path):
+    tables = make_tables(4, seed=3)
+    torch.manual_seed(3)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder()
+    pgas = shard(ref, tw_placement(tables, [0, 1, 1, 0], pgas_tw), world_size, sharder)
+    torch.manual_seed(4)  # other weights, and other owners: the load must reshard
+    other = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    tw = shard(other, tw_placement(tables, [1, 0, 0, 1], torchrec_tw), world_size, sharder)
+    kjt = random_kjt(tables, 3 + rank, seed=rank)
+
+    dcp.save(pgas.state_dict(), checkpoint_id=f"{path}/pgas")
+    sd = tw.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/pgas")
+    tw.load_state_dict(sd)
+    assert_same_kt(tw(kjt), pgas(kjt), exact=True)
+
+    # and back: TorchRec's table_wise checkpoint into a pgas_table_wise model
+    torch.manual_seed(5)
+    fresh = shard(
+        EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+        tw_placement(tables, [1, 1, 0, 0], pgas_tw),
+        world_size,
+        sharder,
+    )
+    dcp.save(tw.state_dict(), checkpoint_id=f"{path}/tw")
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/tw")
+    fresh.load_state_dict(sd)
+    assert_same_kt(fresh(kjt), ref(kjt), exact=False)
+
+
+def test_state_dict_interchangeable_with_table_wise(tmp_path):
+    run_ranks(_checkpoint, 2, path=str(tmp_path))
+
+
+def _bad_ids(rank, world_size):
+    tables = make_tables(3, seed=1)
+    _, pgas, tw = _models(world_size, tables, [0, 1, 0], False, seed=1, options=PgasOptions(timeout_s=20))
+    good = random_kjt(tables, 4, seed=rank)
+    bad = random_kjt(tables, 4, seed=rank)
+    if rank == 1:
+        values = bad.values()
+        values[-1] = tables[2].num_embeddings  # one past the end of t2
+    with pytest.raises(PgasInputError, match=r"rank 1 sent id \d+ for feature 'f2' of table 't2'"):
+        pgas(bad)
+    negative = random_kjt(tables, 4, seed=rank)
+    if rank == 0:
+        negative.values()[0] = -3
+    with pytest.raises(PgasInputError, match="rank 0 sent id -3 for feature 'f0'"):
+        pgas(negative)
+    # the next valid batch is served, and right
+    assert_same_kt(pgas(good), tw(good), exact=True)
+
+
+def test_ids_out_of_range_raise_on_every_rank():
+    run_ranks(_bad_ids, 2)
+
+
+def _planner(rank, world_size):
+    import torchrec_pgas
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    from dist_utils import Wrapper, load_full_state_dict
+
+    torchrec_pgas.register()
+    try:
+        tables = make_tables(4, seed=11)
+        torch.manual_seed(11)
+        ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        constraints = {
+            "t0": ParameterConstraints(sharding_types=["pgas_table_wise"]),
+            "t2": ParameterConstraints(sharding_types=["pgas_table_wise"]),
+            "t1": ParameterConstraints(sharding_types=["table_wise"]),
+            "t3": ParameterConstraints(sharding_types=["table_wise"]),
+        }
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device="cpu"), constraints=constraints
+        )
+        model = Wrapper(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+        plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
+        types = {t: ps.sharding_type for t, ps in plan.plan["ebc"].items()}
+        assert types == {"t0": "pgas_table_wise", "t1": "table_wise", "t2": "pgas_table_wise", "t3": "table_wise"}
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=None)
+        load_full_state_dict(dmp, ref.state_dict())
+        kjt = random_kjt(tables, 2 + 3 * rank, seed=rank)
+        assert_same_kt(dmp(kjt), ref(kjt), exact=False)
+    finally:
+        torchrec_pgas.unregister()
+
+
+def test_stock_planner_and_dmp_without_sharders_after_register():
+    run_ranks(_planner, 2)
