@@ -14,6 +14,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingPlan
 
+from torchrec_pgas.testing import load_unsharded_state_dict
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -125,31 +127,8 @@ def shard(
         sharders=[sharder],
         init_data_parallel=False,
     )
-    load_full_state_dict(dmp, ref.state_dict())
+    load_unsharded_state_dict(dmp, ref.state_dict(), prefix="ebc.")
     return dmp
-
-
-def load_full_state_dict(dmp: nn.Module, full: Dict[str, torch.Tensor]) -> None:
-    """Copies unsharded tensors into the local shards of a sharded model."""
-    for key, value in dmp.state_dict().items():
-        src = full[key.split("ebc.", 1)[1]]
-        for s in value.local_shards():
-            (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
-            s.tensor.detach().copy_(src[r : r + nr, c : c + nc])
-
-
-def gather_full_state_dict(dmp: nn.Module, ref: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
-    """The whole weights of a sharded model, on every rank (an all-reduce of shards)."""
-    out = {}
-    for key, value in dmp.state_dict().items():
-        name = key.split("ebc.", 1)[1]
-        full = torch.zeros_like(ref.state_dict()[name])
-        for s in value.local_shards():
-            (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
-            full[r : r + nr, c : c + nc] = s.tensor.detach()
-        dist.all_reduce(full)
-        out[name] = full
-    return out
 
 
 def tw_placement(tables: Sequence[EmbeddingBagConfig], owners: Sequence[int], gen: Callable) -> Dict[str, Callable]:

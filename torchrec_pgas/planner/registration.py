@@ -13,7 +13,8 @@ and defers to the original for everything else:
   PGAS cost model (``cost_model``) instead of the silent table-wise fallback;
 - ``sharding_plan.get_default_sharders``: our EBC sharder instead of TorchRec's, so
   ``DistributedModelParallel(sharders=None)`` and sharder-less planning offer PGAS types;
-- ``EmbeddingEnumerator.enumerate``: first rejects constraints naming unknown types.
+- ``EmbeddingEnumerator.enumerate`` and ``EmbeddingShardingPlanner.collective_plan``:
+  first reject constraints naming unknown types (on every rank, before rank 0 plans).
 
 Functions are imported by name into other modules (``from ... import f``), so each
 ``torchrec`` module in ``sys.modules`` holding the original object is patched too, and
@@ -36,6 +37,7 @@ from torchrec.distributed import sharding_plan
 from torchrec.distributed.planner import enumerators, shard_estimators, stats
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator import estimator
+from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 
 from torchrec_pgas.planner.constraints import check_constraint_sharding_types
 from torchrec_pgas.planner.cost_model import pgas_perf_evaluator
@@ -152,15 +154,11 @@ def _apply() -> None:
     for module, name, wrap in functions:
         original = getattr(module, name)
         _applied.append(_Patch(module, name, original, wrap(original)))
-    original_enumerate = EmbeddingEnumerator.enumerate
-    _applied.append(
-        _Patch(
-            EmbeddingEnumerator,
-            "enumerate",
-            original_enumerate,
-            _checking_constraints(original_enumerate),
-        )
-    )
+    # collective_plan plans on rank 0 only: check on every rank first, or a bad
+    # constraint raises on rank 0 while the others wait in the broadcast.
+    for cls, name in ((EmbeddingEnumerator, "enumerate"), (EmbeddingShardingPlanner, "collective_plan")):
+        original = getattr(cls, name)
+        _applied.append(_Patch(cls, name, original, _checking_constraints(original)))
     for patch in _applied:
         _swap(patch, patch.original, patch.replacement)
 
@@ -229,7 +227,7 @@ def _with_pgas_default_sharders(original: Callable[[], List[Any]]) -> Callable[[
 
 def _checking_constraints(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def wrapper(self: EmbeddingEnumerator, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         check_constraint_sharding_types(self._constraints)
         return original(self, *args, **kwargs)
 
