@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 CPU_DEPS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 tqdm \
-	pyre-extensions iopath pytest hypothesis matplotlib numpy
+	pyre-extensions iopath pytest hypothesis matplotlib numpy triton==3.6.0 nvidia-nvshmem-cu13==3.4.5
 NPROC ?= 2
 
 .PHONY: install test demo clean

@@ -15,6 +15,7 @@ rank learns of a bad batch from the same headers and raises the same error.
 import math
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Sequence
 
 import torch
 
@@ -108,3 +109,29 @@ class IdsSlotLayout:
 
     def weights(self, slot: torch.Tensor, count: int) -> torch.Tensor:
         return slot[self.weights_offset : self.weights_offset + 4 * count].view(torch.float32)
+
+
+def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLayout) -> str:
+    """The message for a header whose status is not ``OK`` (``features`` are the
+    sharding's ``TwFeature`` in order)."""
+    d = header.detail
+    if header.status == Status.ID_OUT_OF_RANGE:
+        f = features[d[0]]
+        return (
+            f"rank {source} sent id {d[1]} for feature '{f.name}' of table '{f.table}', "
+            f"which has {d[2]} rows (ids must be in [0, {d[2]}))"
+        )
+    if header.status == Status.OVER_CAPACITY:
+        return (
+            f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
+            f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
+            f"the buffers are sized at the first batch times PgasOptions.headroom; "
+            f"raise headroom"
+        )
+    if header.status == Status.BAD_LENGTHS:
+        where = f" (negative length in feature '{features[d[0]].name}')" if d[0] >= 0 else ""
+        return f"rank {source} sent a KJT whose lengths and values disagree{where}"
+    return (
+        f"rank {source} sent a KJT with a variable batch size per feature, which the "
+        f"PGAS sharding types do not support"
+    )

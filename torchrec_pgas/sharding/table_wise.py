@@ -8,7 +8,7 @@ optimizers behave identically. Only the two collectives are replaced: see
 ``tw_exchange`` for the algorithm.
 """
 
-from typing import Any, List, Optional, TypeVar
+from typing import Any, Dict, List, Optional, TypeVar
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
@@ -18,12 +18,17 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingContext,
     EmbeddingShardingInfo,
 )
+from torchrec.distributed.embedding_lookup import (
+    GroupedPooledEmbeddingsLookup,
+    embeddings_cat_empty_rank_handle,
+)
+from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_exchange import Route, TwExchange, TwFeature
-from torchrec_pgas.transport import get_transport
+from torchrec_pgas.sharding.tw_exchange import TwExchange, TwFeature
+from torchrec_pgas.transport import Transport, get_transport
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
 
 T = TypeVar("T")
@@ -43,7 +48,7 @@ class _Done(Awaitable[T]):
 class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
     """Waits for every source's ids of the step and forms the lookup's KJT."""
 
-    def __init__(self, exchange: TwExchange) -> None:
+    def __init__(self, exchange: Any) -> None:
         super().__init__()
         self._exchange = exchange
 
@@ -54,7 +59,7 @@ class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
 class PgasTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     """Puts each owner's features into its per-source slot; no splits exchange."""
 
-    def __init__(self, exchange: TwExchange) -> None:
+    def __init__(self, exchange: Any) -> None:
         super().__init__()
         self._exchange = exchange
 
@@ -74,8 +79,8 @@ class _ExchangePooled(torch.autograd.Function):
         ctx: Any,
         local_embs: torch.Tensor,
         anchor: torch.Tensor,
-        exchange: TwExchange,
-        route: Route,
+        exchange: Any,
+        route: Any,
     ) -> torch.Tensor:
         ctx.exchange, ctx.route, ctx.shape = exchange, route, local_embs.shape
         return exchange.exchange_pooled(local_embs, route)
@@ -95,7 +100,7 @@ class PgasTwPooledEmbeddingDist(
 ):
     """Puts pooled rows at their final place in each requester's output."""
 
-    def __init__(self, exchange: TwExchange) -> None:
+    def __init__(self, exchange: Any) -> None:
         super().__init__()
         self._exchange = exchange
 
@@ -112,6 +117,19 @@ class PgasTwPooledEmbeddingDist(
         # output require grad everywhere.
         anchor = torch.empty(0, requires_grad=True)
         return _Done(_ExchangePooled.apply(local_embs, anchor, self._exchange, route))
+
+
+class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's table-wise lookup (same modules, parameters and state), which also
+    takes the GPU exchange's fixed-shape ``LookupBatch`` of already-split groups."""
+
+    def forward(self, sparse_features: Any) -> torch.Tensor:
+        groups = getattr(sparse_features, "groups", None)
+        if groups is None:
+            return super().forward(sparse_features)
+        return embeddings_cat_empty_rank_handle(
+            self._forward(groups), self._dummy_embs_tensor, dim=1
+        )
 
 
 def _features_per_rank(sharding: TwPooledEmbeddingSharding) -> List[List[TwFeature]]:
@@ -154,21 +172,51 @@ class PgasTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         self._out_dtype = _output_dtype(sharding_infos)
         self._exchange: Optional[TwExchange] = None
 
-    def _get_exchange(self, device: Optional[torch.device]) -> TwExchange:
+    def _get_exchange(self, device: Optional[torch.device]) -> Any:
         # Created on first use, collectively: every rank builds its dists in the
         # same order.
         if self._exchange is None:
             device = device or self._device or torch.device("cpu")
             assert self._pg is not None
-            self._exchange = TwExchange(
-                transport=get_transport(self._pg, device, self._options),
+            transport = get_transport(self._pg, device, self._options)
+            args = dict(
                 features_per_rank=_features_per_rank(self),
                 dim_sum_per_rank=self._dim_sum_per_rank(),
                 out_dtype=self._out_dtype,
                 headroom=self._options.headroom,
                 name=PGAS_TABLE_WISE,
             )
+            self._exchange = (
+                self._device_exchange(transport, args)
+                if transport.device.type == "cuda"
+                else TwExchange(transport=transport, **args)
+            )
         return self._exchange
+
+    def _device_exchange(self, transport: Transport, args: Dict[str, Any]) -> Any:
+        from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
+
+        configs = self._grouped_embedding_configs
+        return DeviceTwExchange(
+            transport=transport,  # type: ignore[arg-type]
+            group_sizes=[c.num_features() for c in configs],
+            weighted=any(c.is_weighted for c in configs),
+            **args,
+        )
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> PgasGroupedPooledEmbeddingsLookup:
+        return PgasGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            env=self._env,
+        )
 
     def create_input_dist(
         self, device: Optional[torch.device] = None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status
+from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import Mailbox, PgasError, Transport
 
 
@@ -190,30 +190,6 @@ class TwExchange:
                     )
             box.end_send(owner, step)
 
-    def _error(self, source: int, header: Header) -> str:
-        d = header.detail
-        if header.status == Status.ID_OUT_OF_RANGE:
-            f = self._features[d[0]]
-            return (
-                f"rank {source} sent id {d[1]} for feature '{f.name}' of table '{f.table}', "
-                f"which has {d[2]} rows (ids must be in [0, {d[2]}))"
-            )
-        if header.status == Status.OVER_CAPACITY:
-            assert self._layout is not None
-            return (
-                f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
-                f"over capacity ({self._layout.batch_capacity} samples, "
-                f"{self._layout.ids_capacity} ids): the buffers are sized at the first "
-                f"batch times PgasOptions.headroom; raise headroom"
-            )
-        if header.status == Status.BAD_LENGTHS:
-            where = f" (negative length in feature '{self._features[d[0]].name}')" if d[0] >= 0 else ""
-            return f"rank {source} sent a KJT whose lengths and values disagree{where}"
-        return (
-            f"rank {source} sent a KJT with a variable batch size per feature, which "
-            f"{self._name} does not support"
-        )
-
     def recv_ids(self) -> KeyedJaggedTensor:
         """Waits for every source's slot of the next step; returns the owner's KJT."""
         box, layout = self._ids, self._layout
@@ -236,7 +212,11 @@ class TwExchange:
                 if h.has_weights:
                     weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
             box.release(source, step)
-        errors = [self._error(s, h) for s, h in enumerate(headers) if h.status != Status.OK]
+        errors = [
+            describe(s, h, self._features, layout)
+            for s, h in enumerate(headers)
+            if h.status != Status.OK
+        ]
         if errors:
             raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
         self._routes.append(Route([h.batch_size for h in headers]))

@@ -53,10 +53,13 @@ def get_transport(
 
             transport: Transport = HostTransport(pg, timeout_s=options.timeout_s)
         elif kind == "nvshmem":
-            raise PgasTransportUnavailableError(
-                "the NVSHMEM transport is not available in this build of torchrec_pgas; "
-                "use CPU devices with the host transport (PgasOptions(transport='host'))"
-            )
+            if device.type != "cuda":
+                raise PgasTransportUnavailableError(
+                    f"the NVSHMEM transport needs CUDA devices, got {device}"
+                )
+            from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+            transport = NvshmemTransport(pg, device, timeout_s=options.timeout_s)
         else:
             raise ValueError(f"unknown transport {kind!r}: expected 'auto', 'host' or 'nvshmem'")
         _TRANSPORTS[key] = (pg, transport)

@@ -97,10 +97,11 @@ class Transport(ABC):
         this rank issued before it has become visible to ``peer``."""
 
     @abstractmethod
-    def wait(self, sig: SignalArray, index: int, value: int, what: str) -> int:
-        """Waits until this rank's signal word ``index`` is at least ``value`` and
-        returns it; data put before that signal is then visible. Raises
-        ``PgasTimeoutError`` whose message includes ``what`` after the timeout."""
+    def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
+        """Waits until this rank's signal word ``index`` is at least ``value``; data
+        put before that signal is then visible. Raises ``PgasTimeoutError`` whose
+        message includes ``what`` after the timeout. A device transport enqueues the
+        wait on the current stream instead (and reports a timeout at its next check)."""
 
     @abstractmethod
     def barrier(self) -> None:

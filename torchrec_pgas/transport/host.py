@@ -203,11 +203,11 @@ class HostTransport(Transport):
         _PTHREAD.pthread_spin_unlock(addr)
         return value
 
-    def wait(self, sig: SignalArray, index: int, value: int, what: str) -> int:
+    def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
         addr = self._record(sig, self.rank, index)
         have = self._read(addr)
         if have >= value:
-            return have
+            return
         deadline = time.monotonic() + self._timeout_s
         pause = 0.0
         while True:
@@ -216,7 +216,7 @@ class HostTransport(Transport):
             pause = min(pause * 2 or 2e-5, 1e-3)
             have = self._read(addr)
             if have >= value:
-                return have
+                return
             if time.monotonic() > deadline:
                 raise PgasTimeoutError(
                     f"rank {self.rank}: timed out after {self._timeout_s:.1f} s waiting "

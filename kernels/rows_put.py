@@ -1,0 +1,99 @@
+"""Puts pooled rows at their final place in each requester's output.
+
+The owner's lookup produced ``src`` with one block of ``batch_capacity`` rows per
+requester (rows past the requester's batch size are padding). Program ``(s, blk)``
+stores rows ``blk * BLOCK_B ...`` of requester ``s`` straight into ``s``'s output
+through its peer mapping (NVLink), at the column block of this owner's tables, then
+adds one to ``s``'s counter for this owner with release semantics at system scope. A
+requester knows how many programs serve it (``cdiv(its batch, BLOCK_B)``), so it waits
+for its counter to reach the running total.
+
+Buffers:
+    src:       [S * batch_capacity, dim] pooled rows, requester-major
+    batch:     int64 [S]  batch size of each requester (from its ids header)
+    out_addrs: int64 [S]  address of each requester's output slot of this step,
+                          rows of ``pitch`` elements, through the peer mapping
+    cnt_addrs: int64 [S]  address of each requester's counter word for this owner
+    free:      int64 [S]  this rank's free signals: free[s] is the last step s released
+    err:       int64 [4]  error record (see ``signals.py``)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_pgas.kernels.signals import wait_ge
+
+BLOCK_B = 32
+BLOCK_D = 128
+NUM_WARPS = 4
+WAIT_OUT_FREE = tl.constexpr(2)
+
+
+@triton.jit(do_not_specialize=["batch_capacity", "dim", "pitch", "col", "free_target", "timeout_ns"])
+def rows_put_kernel(
+    src_ptr,
+    batch_ptr,
+    out_addrs_ptr,
+    cnt_addrs_ptr,
+    free_ptr,
+    err_ptr,
+    batch_capacity,
+    dim,
+    pitch,
+    col,
+    free_target,
+    timeout_ns,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0)
+    blk = tl.program_id(1)
+    batch = tl.load(batch_ptr + s)
+    if blk * BLOCK_B < batch:
+        ok = True
+        if free_target > 0:
+            ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
+        if ok:
+            out = tl.load(out_addrs_ptr + s).to(src_ptr.dtype, bitcast=True)
+            rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
+            row_ok = rows < batch
+            src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
+            dst_rows = rows.to(tl.int64) * pitch + col
+            for d0 in range(0, dim, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                mask = row_ok[:, None] & (cols < dim)[None, :]
+                vals = tl.load(src_ptr + src_rows[:, None] + cols[None, :], mask=mask)
+                tl.store(out + dst_rows[:, None] + cols[None, :], vals, mask=mask)
+            # Every thread's stores are issued before the one release below.
+            tl.debug_barrier()
+            cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
+            tl.atomic_add(cnt, 1, sem="release", scope="sys")
+
+
+def rows_put(
+    src: torch.Tensor,
+    batch: torch.Tensor,
+    out_addrs: torch.Tensor,
+    cnt_addrs: torch.Tensor,
+    free: torch.Tensor,
+    err: torch.Tensor,
+    batch_capacity: int,
+    pitch: int,
+    col: int,
+    free_target: int,
+    timeout_ns: int,
+) -> None:
+    """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)."""
+    S, dim = batch.numel(), src.size(1)
+    grid = (S, triton.cdiv(batch_capacity, BLOCK_B))
+    rows_put_kernel[grid](
+        src, batch, out_addrs, cnt_addrs, free, err,
+        batch_capacity, dim, pitch, col, free_target, timeout_ns,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
+    )
+
+
+def programs_per_requester(batch_size: int) -> int:
+    """How many programs of one owner serve a requester of ``batch_size`` samples."""
+    return triton.cdiv(batch_size, BLOCK_B)

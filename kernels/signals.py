@@ -1,0 +1,33 @@
+"""Device helpers shared by the kernels: a signal wait with a timeout.
+
+NVSHMEM's own ``nvshmem_signal_wait_until`` cannot time out, and a kernel that spins
+forever hangs the process with no message. These helpers spin with an acquire load
+and give up after ``timeout_ns``, recording which wait failed in an error record that
+the host reads once per step (``[code, peer, what, value]``, int64).
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+#: Error codes in an error record.
+ERR_NONE = 0
+ERR_TIMEOUT = 1
+
+
+@triton.jit
+def wait_ge(sig_ptr, target, timeout_ns, err_ptr, peer, what):
+    """Spins until ``*sig_ptr >= target``; returns whether it got there in time."""
+    start = globaltimer()
+    value = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+    elapsed = start - start
+    while (value < target) & (elapsed < timeout_ns):
+        value = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+        elapsed = globaltimer() - start
+    ok = value >= target
+    if not ok:
+        tl.store(err_ptr, 1)
+        tl.store(err_ptr + 1, peer)
+        tl.store(err_ptr + 2, what)
+        tl.store(err_ptr + 3, target)
+    return ok

@@ -1,0 +1,231 @@
+"""NVSHMEM transport: symmetric GPU memory from nvshmem4py, one-sided puts and signals
+issued from Triton kernels (``torchrec_pgas.kernels``).
+
+Every operation is stream ordered on the current CUDA stream: ``wait`` enqueues a
+device-side wait, so the host never blocks on a peer and nothing syncs the device.
+A wait that times out on the device leaves an error record that ``check`` turns into
+a ``PgasTimeoutError`` on the host.
+"""
+
+import atexit
+import logging
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from torchrec_pgas.transport.base import (
+    PgasTimeoutError,
+    PgasTransportUnavailableError,
+    SignalArray,
+    SymmetricBuffer,
+    Transport,
+)
+
+logger = logging.getLogger(__name__)
+
+_SETUP_HINT = (
+    "install the GPU extra (pip install 'torchrec-pgas[gpu]': nvshmem4py-cu13, "
+    "nvidia-nvshmem-cu13, triton) and run one process per GPU"
+)
+_WHAT = {1: "a slot to be released", 2: "an output slot to be released", 3: "data"}
+
+
+def _import_nvshmem():
+    try:
+        import nvshmem.core as nvshmem
+        from nvshmem.core import NvshmemKernelObject
+    except ImportError as e:
+        raise PgasTransportUnavailableError(f"NVSHMEM is not available ({e}): {_SETUP_HINT}") from e
+    return nvshmem, NvshmemKernelObject
+
+
+def _cuda_core_device(index: int):
+    try:
+        from cuda.core import Device
+    except ImportError:
+        from cuda.core.experimental import Device
+    return Device(index)
+
+
+_REGISTERED: Dict[int, bool] = {}
+
+
+def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
+    """Triton's kernel-load hook: NVSHMEM must initialize every module that may call it
+    before its first launch."""
+    if module in _REGISTERED:
+        return
+    nvshmem, kernel_object = _import_nvshmem()
+    nvshmem.module_init(kernel_object.from_handle(module))
+    _REGISTERED[module] = True
+
+
+class NvshmemTransport(Transport):
+    """NVSHMEM over the ranks of ``pg``, one GPU per rank.
+
+    Args:
+        pg: the process group (its ranks are the NVSHMEM PEs, in order).
+        device: this rank's GPU.
+        timeout_s: device-side waits give up after this long.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+        import numpy as np
+        import triton
+
+        nvshmem, _ = _import_nvshmem()
+        self._nvshmem = nvshmem
+        self.group = pg
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._timeout_s = timeout_s
+        torch.cuda.set_device(self.device)
+
+        uid = nvshmem.get_unique_id(empty=self.rank != 0)
+        raw = [uid._data.view(np.int8).tobytes() if self.rank == 0 else None]
+        dist.broadcast_object_list(raw, src=dist.get_global_rank(pg, 0), group=pg)
+        uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
+        try:
+            nvshmem.init(
+                device=_cuda_core_device(self.device.index),
+                uid=uid,
+                rank=self.rank,
+                nranks=self.world_size,
+                initializer_method="uid",
+            )
+        except Exception as e:
+            raise PgasTransportUnavailableError(
+                f"rank {self.rank}: NVSHMEM initialization failed ({e}); {_SETUP_HINT}; "
+                "NVSHMEM_DEBUG=INFO shows why"
+            ) from e
+        triton.knobs.runtime.kernel_load_end_hook = _register_module
+        self._live: List[torch.Tensor] = []
+        self.err = self._tensor((4,), torch.int64)
+        self._check_peer_access()
+        self._closed = False
+        atexit.register(self.close)
+
+    def _tensor(self, shape, dtype) -> torch.Tensor:
+        t = self._nvshmem.tensor(shape, dtype=dtype)
+        t.zero_()
+        self._live.append(t)
+        return t
+
+    def _check_peer_access(self) -> None:
+        probe = self._tensor((1,), torch.int64)
+        missing = [
+            pe for pe in range(self.world_size)
+            if self._nvshmem.get_peer_tensor(probe, pe) is None
+        ]
+        if missing:
+            raise PgasTransportUnavailableError(
+                f"rank {self.rank} has no peer (NVLink/P2P) access to ranks {missing}: "
+                "pgas sharding on GPU needs every GPU of the group to reach every other "
+                "(check `nvidia-smi topo -m`, and CUDA_VISIBLE_DEVICES)"
+            )
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+
+    def peer_addresses(self, t: torch.Tensor) -> torch.Tensor:
+        """Addresses of every rank's copy of symmetric ``t`` in this process (int64 [world])."""
+        return torch.tensor(
+            [self._nvshmem.get_peer_tensor(t, pe).data_ptr() for pe in range(self.world_size)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+
+    # -------------------------------------------------------- Transport API
+
+    def alloc(self, nbytes: int) -> SymmetricBuffer:
+        t = self._tensor((max(nbytes, 8),), torch.uint8)
+        return SymmetricBuffer(local=t[:nbytes], handle=t)
+
+    def alloc_signals(self, size: int) -> SignalArray:
+        return SignalArray(size=size, handle=self._tensor((size,), torch.int64))
+
+    def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        self._live.remove(obj.handle)
+        self._nvshmem.free_tensor(obj.handle)
+
+    def _put_chunks(self, buf, peer, offset, src, rows, row_bytes, row_pitch) -> None:
+        from torchrec_pgas.kernels.put_signal import put_signal
+
+        base = src.data_ptr()
+        chunks = torch.tensor(
+            [[[offset + r * row_pitch, base + r * row_bytes, row_bytes] for r in range(rows)]],
+            dtype=torch.int64,
+        ).to(self.device, non_blocking=True)
+        peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
+        # The signal word a put carries is this rank's ready word of a throw-away
+        # array: callers signal explicitly (``signal``) as the interface asks.
+        put_signal(peers, chunks, buf.handle, self._scratch_signals(), self._scratch_signals(),
+                   self.err, self.rank, 0, 0, self.timeout_ns)
+
+    def _scratch_signals(self) -> torch.Tensor:
+        if not hasattr(self, "_scratch"):
+            self._scratch = self._tensor((self.world_size,), torch.int64)
+        return self._scratch
+
+    def put(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
+        src = src.detach().contiguous()
+        self._put_chunks(buf, peer, offset, src, 1, src.numel() * src.element_size(), 0)
+
+    def put_rows(self, buf: SymmetricBuffer, peer: int, offset: int, row_pitch: int, src: torch.Tensor) -> None:
+        src = src.detach().contiguous()
+        if src.numel():
+            row_bytes = src[0].numel() * src.element_size()
+            self._put_chunks(buf, peer, offset, src, src.size(0), row_bytes, row_pitch)
+
+    def signal(self, sig: SignalArray, peer: int, index: int, value: int) -> None:
+        from torchrec_pgas.kernels.put_signal import put_signal
+
+        # A put_signal with no chunks: fence, then set word ``index`` at ``peer``.
+        peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
+        put_signal(peers, torch.empty(1, 0, 3, dtype=torch.int64, device=self.device),
+                   self._scratch_u8(), sig.handle, self._scratch_signals(), self.err,
+                   index, value, 0, self.timeout_ns)
+
+    def _scratch_u8(self) -> torch.Tensor:
+        if not hasattr(self, "_scratch_bytes"):
+            self._scratch_bytes = self._tensor((8,), torch.uint8)
+        return self._scratch_bytes
+
+    def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
+        from torchrec_pgas.kernels.signal_wait import signal_wait
+
+        peers = torch.tensor([index], dtype=torch.int32).to(self.device, non_blocking=True)
+        signal_wait(sig.handle, peers, value, self.err, 3, self.timeout_ns)
+        self._pending_what = what
+
+    def check(self, context: Optional[str] = None) -> None:
+        """Raises ``PgasTimeoutError`` if a device-side wait timed out (syncs the stream)."""
+        record = self.err.tolist()
+        if record[0]:
+            self.err.zero_()
+            what = _WHAT.get(record[2], "a signal")
+            raise PgasTimeoutError(
+                f"rank {self.rank}: timed out after {self._timeout_s:.1f} s on the GPU waiting "
+                f"for {what} from rank {record[1]} (step {record[3]})"
+                + (f" in {context}" if context else "")
+            )
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            torch.cuda.synchronize(self.device)
+            for t in self._live:
+                self._nvshmem.free_tensor(t)
+            self._live.clear()
+            self._nvshmem.finalize()
+        except Exception as e:  # at interpreter exit peers may be gone already
+            logger.warning("NVSHMEM finalize failed: %s", e)
