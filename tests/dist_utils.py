@@ -3,7 +3,7 @@
 import copy
 import os
 import socket
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from torchrec_pgas.testing import load_unsharded_state_dict
 
@@ -23,11 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, kwargs: Dict[str, Any]) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, port: int, backend: str, kwargs: Dict[str, Any]
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         fn(rank=rank, world_size=world_size, **kwargs)
@@ -36,12 +40,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, kwargs: Dict[str
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, **kwargs: Any) -> None:
+def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", **kwargs: Any) -> None:
     """Runs ``fn(rank=, world_size=, **kwargs)`` in ``world_size`` fresh processes of
-    one gloo group; a failure in any rank fails the caller with that rank's traceback."""
+    one process group (``nccl``: rank r on GPU r); a failure in any rank fails the
+    caller with that rank's traceback."""
     mp.start_processes(
         _entry,
-        args=(fn, world_size, _free_port(), kwargs),
+        args=(fn, world_size, _free_port(), backend, kwargs),
         nprocs=world_size,
         join=True,
         start_method="spawn",
@@ -108,21 +113,24 @@ def shard(
     placement: Dict[str, Callable],
     world_size: int,
     sharder: Any,
+    device: torch.device = torch.device("cpu"),
+    pg: Optional[dist.ProcessGroup] = None,
 ) -> DistributedModelParallel:
     """A DMP of a copy of ``ref`` placed by ``placement`` (table -> generator), with
-    ``ref``'s weights."""
+    ``ref``'s weights, on ``device`` over ``pg`` (default: the world group)."""
     plan = construct_module_sharding_plan(
         ref,
         per_param_sharding=placement,
         world_size=world_size,
         local_size=world_size,
-        device_type="cpu",
+        device_type=device.type,
         sharder=sharder,
     )
     model = Wrapper(copy.deepcopy(ref))
     dmp = DistributedModelParallel(
         model,
-        device=torch.device("cpu"),
+        env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),
+        device=device,
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],
         init_data_parallel=False,
@@ -172,8 +180,7 @@ def reference_pooled(
     return out
 
 
-def assert_close_to_reference(actual, expected: Dict[str, torch.Tensor]) -> None:
-    a = actual.to_dict()
-    assert sorted(a) == sorted(expected)
+def assert_close_to_reference(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
     for k, v in expected.items():
-        torch.testing.assert_close(a[k].double(), v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(actual[k].cpu().double(), v, rtol=1e-5, atol=1e-6)

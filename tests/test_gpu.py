@@ -1,0 +1,157 @@
+"""The GPU path (NVSHMEM + Triton) against TorchRec's table_wise (FBGEMM FUSED + NCCL),
+the host path and a float64 reference, on real processes, one per GPU.
+
+Skipped without two GPUs and nvshmem4py. On the GPU machine:
+    python3 -m pytest -q tests/test_gpu.py
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 GPUs", allow_module_level=True)
+pytest.importorskip("nvshmem.core")
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from torchrec import EmbeddingBagCollection, PoolingType  # noqa: E402
+
+from dist_utils import (  # noqa: E402
+    assert_close_to_reference,
+    make_tables,
+    random_kjt,
+    reference_pooled,
+    run_ranks,
+    shard,
+    table_wise,
+    tw_placement,
+)
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
+from torchrec_pgas.sharding.tw_exchange import PgasInputError  # noqa: E402
+from torchrec_pgas.sharding_plan import pgas_table_wise  # noqa: E402
+from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
+from torchrec_pgas.transport import Mailbox, get_transport  # noqa: E402
+from torchrec_pgas.types import PgasOptions  # noqa: E402
+
+pgas_tw = functools.partial(pgas_table_wise, compute_kernel="fused")
+torchrec_tw = functools.partial(table_wise, compute_kernel="fused")
+
+
+def _mailbox(rank, world_size, steps, n):
+    dev = torch.device("cuda", rank)
+    t = get_transport(dist.group.WORLD, dev, PgasOptions(timeout_s=30))
+    box = Mailbox(t, slot_bytes=8 * n, per_source=True, name="gpu stream")
+    for step in range(1, steps + 1):
+        for dest in range(world_size):
+            base = box.begin_send(dest, step)
+            g = torch.Generator().manual_seed(step * 100 + rank * 10 + dest)
+            t.put(box.buffer, dest, base, torch.randint(0, 2**62, (n,), generator=g).to(dev))
+            box.end_send(dest, step)
+        for source in range(world_size):
+            box.wait(source, step)
+            g = torch.Generator().manual_seed(step * 100 + source * 10 + rank)
+            expected = torch.randint(0, 2**62, (n,), generator=g).to(dev)
+            assert torch.equal(box.slot(source, step).view(torch.int64), expected), (step, source)
+            box.release(source, step)
+    t.check()
+
+
+def test_nvshmem_mailbox_delivers_every_step_intact():
+    run_ranks(_mailbox, 2, backend="nccl", steps=30, n=1 << 16)
+
+
+def _models(rank, world_size, tables, owners, weighted, fused=None, seed=0):
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(seed)
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=PgasOptions(timeout_s=60))
+    pgas = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, sharder, device=dev)
+    tw = shard(ref, tw_placement(tables, owners, torchrec_tw), world_size, sharder, device=dev)
+    return ref, pgas, tw
+
+
+def _forward(rank, world_size, owners, batch_sizes, pooling, weighted):
+    dev = torch.device("cuda", rank)
+    gloo = dist.new_group(backend="gloo")
+    for seed in range(2):
+        tables = make_tables(len(owners), seed, pooling)
+        ref, pgas, tw = _models(rank, world_size, tables, owners, weighted, seed=seed)
+        host = shard(
+            ref, tw_placement(tables, owners, pgas_tw), world_size,
+            PgasEmbeddingBagCollectionSharder(), pg=gloo,
+        )
+        for step in range(4):
+            kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
+            with torch.no_grad() if step % 2 else torch.enable_grad():
+                out = pgas(kjt.to(dev)).to_dict()
+                expected = tw(kjt.to(dev)).to_dict()
+                on_host = host(kjt).to_dict()
+            for k in expected:
+                assert torch.equal(out[k], expected[k]), (seed, step, k)
+                assert torch.equal(out[k].cpu(), on_host[k]), (seed, step, k)
+            assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt))
+
+
+@pytest.mark.parametrize(
+    "owners,batch_sizes,pooling,weighted",
+    [
+        ([0, 1, 0, 1], [64, 17], PoolingType.SUM, False),
+        ([1, 1, 1], [5, 33], PoolingType.MEAN, False),  # rank 0 owns no table
+        ([0, 1, 1], [40, 40], PoolingType.SUM, True),
+    ],
+    ids=["sum", "mean-idle-rank", "weighted"],
+)
+def test_gpu_forward_matches_table_wise_host_and_reference(owners, batch_sizes, pooling, weighted):
+    run_ranks(_forward, 2, backend="nccl", owners=owners, batch_sizes=batch_sizes, pooling=pooling, weighted=weighted)
+
+
+def _train(rank, world_size, optimizer):
+    dev = torch.device("cuda", rank)
+    owners, batch_sizes = [0, 1, 1, 0, 1], [48, 29]
+    tables = make_tables(len(owners), seed=5)
+    fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
+    ref, pgas, tw = _models(rank, world_size, tables, owners, False, fused=fused, seed=5)
+    for step in range(5):
+        kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank).to(dev)
+        outs = []
+        for model in (pgas, tw):
+            kt = model(kjt).to_dict()
+            g = torch.Generator(device=dev).manual_seed(step)
+            loss = sum((kt[k] * torch.randn(kt[k].shape, generator=g, device=dev)).sum() for k in sorted(kt))
+            loss.backward()
+            outs.append({k: v.detach() for k, v in kt.items()})
+        for k in outs[1]:
+            torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-6, atol=1e-6)
+    like = {k: v.to(dev) for k, v in ref.state_dict().items()}
+    w_pgas = gather_unsharded_state_dict(pgas, like, prefix="ebc.")
+    w_tw = gather_unsharded_state_dict(tw, like, prefix="ebc.")
+    for name in w_tw:
+        torch.testing.assert_close(w_pgas[name], w_tw[name], rtol=1e-6, atol=1e-6)
+        assert not torch.equal(w_pgas[name], like[name]), f"{name} was not trained"
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+def test_gpu_training_matches_table_wise(optimizer):
+    run_ranks(_train, 2, backend="nccl", optimizer=optimizer)
+
+
+def _bad_ids(rank, world_size):
+    dev = torch.device("cuda", rank)
+    tables = make_tables(3, seed=1)
+    _, pgas, tw = _models(rank, world_size, tables, [0, 1, 0], False, seed=1)
+    good = random_kjt(tables, 8, seed=rank).to(dev)
+    assert torch.equal(pgas(good).values(), tw(good).values())
+    bad = random_kjt(tables, 8, seed=rank).to(dev)
+    if rank == 1:
+        bad.values()[-1] = tables[2].num_embeddings
+    with pytest.raises(PgasInputError, match=r"rank 1 sent id \d+ for feature 'f2' of table 't2'"):
+        pgas(bad)
+    assert torch.equal(pgas(good).values(), tw(good).values())
+
+
+def test_gpu_bad_ids_raise_on_every_rank_and_next_batch_is_served():
+    run_ranks(_bad_ids, 2, backend="nccl")
