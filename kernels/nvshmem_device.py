@@ -74,3 +74,14 @@ def bitcode_libs() -> dict:
 
     path = os.path.join(list(nvidia.nvshmem.__path__)[0], "lib", "libnvshmem_device.bc")
     return {"libnvshmem_device": path}
+
+
+#: Names of the kernels that call NVSHMEM: their modules need ``nvshmem.core.module_init``
+#: before the first launch (and modules that do not call it must not get it).
+KERNELS_USING_NVSHMEM: set = set()
+
+
+def uses_nvshmem(kernel):
+    """Marks a ``@triton.jit`` kernel as calling NVSHMEM device functions."""
+    KERNELS_USING_NVSHMEM.add(kernel.fn.__name__)
+    return kernel

@@ -29,6 +29,7 @@ NUM_WARPS = 4
 WAIT_SLOT_FREE = tl.constexpr(1)
 
 
+@nv.uses_nvshmem
 @triton.jit(do_not_specialize=["me", "step", "free_target", "timeout_ns"])
 def put_signal_kernel(
     peers_ptr,

@@ -44,12 +44,26 @@ _WAIT_DATA = 3
 @dataclass
 class LookupBatch:
     """The owner's lookup input of one step: per lookup group, the bag offsets and ids
-    (and weights) of ``stride`` bags per feature. ``headers`` are the step's slot
+    (and weights) of ``bags_per_feature`` bags per feature. ``headers`` are the step's slot
     headers ([S, 8] int64, on the device)."""
 
     groups: List[KeyedJaggedTensor]
     headers: torch.Tensor
-    stride: int
+    bags_per_feature: int
+
+    # TorchRec inspects the input dist's output as a KJT in a few places.
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def stride(self) -> int:
+        return self.bags_per_feature
+
+    # TorchRec inspects the input dist's output as a KJT in a few places.
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def stride(self) -> int:
+        return self.bags_per_feature
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for kjt in self.groups:
@@ -269,7 +283,9 @@ class DeviceTwExchange:
                 offsets = torch.zeros(g_bags.numel() + 1, dtype=torch.int64, device=self._dev)
                 torch.cumsum(g_bags, 0, out=offsets[1:])
                 capacity = world * layout.ids_capacity
-                indices = torch.empty(capacity, dtype=torch.int64, device=self._dev)
+                # Zeros past the last bag: FBGEMM's training forward reads past it
+                # (seen on H200 as an illegal address with uninitialized indices).
+                indices = torch.zeros(capacity, dtype=torch.int64, device=self._dev)
                 weights = torch.empty(capacity if has_weights else 1, dtype=torch.float32, device=self._dev)
                 gather_ids(
                     self._ids[base:], slot_starts[:, first : first + size].contiguous(),
@@ -289,7 +305,7 @@ class DeviceTwExchange:
         # Everything is read (stream ordered): release the slots to their sources.
         self._signal(self._all, self._ids_free, step)
         self._routes.append(DeviceRoute(headers=headers, my_batch=self._my_batches.popleft()))
-        return LookupBatch(groups=groups, headers=headers, stride=world * cap)
+        return LookupBatch(groups=groups, headers=headers, bags_per_feature=world * cap)
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""

@@ -54,7 +54,9 @@ _REGISTERED: Dict[int, bool] = {}
 def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
     """Triton's kernel-load hook: NVSHMEM must initialize every module that may call it
     before its first launch."""
-    if module in _REGISTERED:
+    from torchrec_pgas.kernels.nvshmem_device import KERNELS_USING_NVSHMEM
+
+    if module in _REGISTERED or name not in KERNELS_USING_NVSHMEM:
         return
     nvshmem, kernel_object = _import_nvshmem()
     nvshmem.module_init(kernel_object.from_handle(module))
