@@ -58,13 +58,6 @@ class LookupBatch:
     def stride(self) -> int:
         return self.bags_per_feature
 
-    # TorchRec inspects the input dist's output as a KJT in a few places.
-    def variable_stride_per_key(self) -> bool:
-        return False
-
-    def stride(self) -> int:
-        return self.bags_per_feature
-
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for kjt in self.groups:
             kjt.record_stream(stream)
