@@ -49,6 +49,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--json", type=str, default=None, help="also write the results here")
+    p.add_argument("--profile", action="store_true", help="print rank 0's top kernels of each forward")
     return p.parse_args()
 
 
@@ -115,6 +116,21 @@ def _time(fn: Callable[[int], None], args, label: str) -> float:
     return float(median)
 
 
+def _profile(fn: Callable[[int], None], name: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(3):
+        fn(i)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            fn(i)
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"\n{name}: 5 forwards")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
+
+
 def main() -> None:
     args = _parse()
     dist.init_process_group("nccl")
@@ -143,6 +159,8 @@ def main() -> None:
             out = model(batches[i % len(batches)]).values()
             out.backward(grads[i % len(grads)])
 
+        if args.profile:
+            _profile(forward, name)
         results[name] = {
             "forward_ms": _time(forward, args, f"{name} forward"),
             "train_step_ms": _time(train_step, args, f"{name} train step"),
