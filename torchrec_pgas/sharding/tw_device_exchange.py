@@ -9,12 +9,14 @@ only enqueues work:
   every owner's slot and signals it. A batch with bad ids is sent with empty bags and
   a status in its header, so owners never index out of bounds.
 * ``recv_ids``: a device-side wait, then the lookup batch is laid out with a fixed
-  shape: bag ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``, bags past
-  a source's batch size empty. The ids are gathered into place by ``gather_ids``.
+  number of bags: bag ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``,
+  bags past a source's batch size empty. The ids are gathered into place by
+  ``gather_ids``; their total is read back once, as FBGEMM's backward needs an index
+  tensor of exactly that size.
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output (peer mapping) and counts them in; the requester waits for its count, copies
   its output out of the slot, releases it, and reads the step's statuses and the
-  transport's error record once (the only device-to-host sync of the exchange).
+  transport's error record once.
 * ``exchange_grads``: each owner's gradient block is put into its per-source slot;
   the owner hands the slots, in lookup order, to FBGEMM's backward, whose fused
   optimizer applies the update exactly as under ``table_wise``.
@@ -223,7 +225,8 @@ class DeviceTwExchange:
         bad = (values < 0) | (values >= limits)
         first = torch.argmax(bad.to(torch.int32)) if values.numel() else torch.zeros((), dtype=torch.int64, device=dev)
         feature = torch.searchsorted(per_key.cumsum(0), first, right=True).clamp(max=max(nf - 1, 0))
-        bad_id = values[first] if values.numel() else first
+        # index_select, not values[first]: indexing with a tensor would sync
+        bad_id = values.index_select(0, first.reshape(1)).squeeze(0) if values.numel() else first
         negative = (lengths < 0).any()
         mismatch = per_key.sum() != values.numel()
         over = ids_per_owner.max() > layout.ids_capacity
@@ -235,7 +238,7 @@ class DeviceTwExchange:
             detail[0], detail[1] = batch, ids_per_owner.max()
             return status, detail
         status = torch.where(bad.any(), Status.ID_OUT_OF_RANGE, status)
-        detail = torch.where(bad.any(), torch.stack([feature, bad_id, self._num_rows[feature]]), detail)
+        detail = torch.where(bad.any(), torch.stack([feature, bad_id, self._num_rows.index_select(0, feature.reshape(1)).squeeze(0)]), detail)
         status = torch.where(over, Status.OVER_CAPACITY, status)
         detail = torch.where(over, torch.stack([zero + batch, ids_per_owner.max(), zero]), detail)
         status = torch.where(negative | mismatch, Status.BAD_LENGTHS, status)
@@ -270,16 +273,17 @@ class DeviceTwExchange:
             counts = bags.sum(-1)  # [F, S]
             slot_starts = (torch.cumsum(counts, 0) - counts).t().contiguous()  # [S, F]
             has_weights = self._weighted
+            # FBGEMM's backward sorts the whole index tensor, so each group's ids must
+            # be exactly as many as its bags hold: the one size this rank reads back.
+            group_bags = list(bags.split(self._group_sizes))
+            totals = torch.stack([g.sum() for g in group_bags]).tolist()
             first = 0
-            for size in self._group_sizes:
-                g_bags = bags[first : first + size].reshape(-1)
+            for size, g_bags, total in zip(self._group_sizes, group_bags, totals):
+                g_bags = g_bags.reshape(-1)
                 offsets = torch.zeros(g_bags.numel() + 1, dtype=torch.int64, device=self._dev)
                 torch.cumsum(g_bags, 0, out=offsets[1:])
-                capacity = world * layout.ids_capacity
-                # Zeros past the last bag: FBGEMM's training forward reads past it
-                # (seen on H200 as an illegal address with uninitialized indices).
-                indices = torch.zeros(capacity, dtype=torch.int64, device=self._dev)
-                weights = torch.empty(capacity if has_weights else 1, dtype=torch.float32, device=self._dev)
+                indices = torch.empty(total, dtype=torch.int64, device=self._dev)
+                weights = torch.empty(total if has_weights else 1, dtype=torch.float32, device=self._dev)
                 gather_ids(
                     self._ids[base:], slot_starts[:, first : first + size].contiguous(),
                     counts[first : first + size].contiguous(), offsets, indices, weights,
