@@ -22,11 +22,9 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels import nvshmem_device as nv
-from torchrec_pgas.kernels.signals import wait_ge
+from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, wait_ge
 
 NUM_WARPS = 4
-#: ``what`` code of the flow-control wait in an error record.
-WAIT_SLOT_FREE = tl.constexpr(1)
 
 
 @nv.uses_nvshmem

@@ -22,12 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.signals import wait_ge
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, wait_ge
 
 BLOCK_B = 32
 BLOCK_D = 128
 NUM_WARPS = 4
-WAIT_OUT_FREE = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["batch_capacity", "dim", "pitch", "col", "free_target", "timeout_ns"])

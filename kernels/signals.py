@@ -10,9 +10,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-#: Error codes in an error record.
-ERR_NONE = 0
-ERR_TIMEOUT = 1
+#: What a wait was for, the third word of an error record.
+WAIT_SLOT_FREE = tl.constexpr(1)
+WAIT_OUT_FREE = tl.constexpr(2)
+WAIT_DATA = tl.constexpr(3)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from torchrec_pgas.testing import load_unsharded_state_dict

@@ -27,11 +27,11 @@ from dist_utils import (  # noqa: E402
     reference_pooled,
     run_ranks,
     shard,
-    table_wise,
     tw_placement,
 )
+from torchrec.distributed.sharding_plan import table_wise
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
-from torchrec_pgas.sharding.tw_exchange import PgasInputError  # noqa: E402
+from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_table_wise  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
 from torchrec_pgas.transport import Mailbox, get_transport  # noqa: E402

@@ -2,7 +2,6 @@
 against the unsharded EmbeddingBagCollection and TorchRec's own table_wise."""
 
 import functools
-import tempfile
 
 import pytest
 import torch
@@ -19,11 +18,11 @@ from dist_utils import (
     reference_pooled,
     run_ranks,
     shard,
-    table_wise,
     tw_placement,
 )
+from torchrec.distributed.sharding_plan import table_wise
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.sharding.tw_exchange import PgasInputError
+from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict
 from torchrec_pgas.types import PgasOptions

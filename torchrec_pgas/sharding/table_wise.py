@@ -27,7 +27,8 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_exchange import TwExchange, TwFeature
+from torchrec_pgas.sharding.tw_base import TwFeature
+from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import Transport, get_transport
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
 

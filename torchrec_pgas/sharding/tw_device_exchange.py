@@ -24,7 +24,7 @@ only enqueues work:
 
 import collections
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,14 @@ from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.put_signal import put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
+from torchrec_pgas.kernels.signals import WAIT_DATA
 from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
-from torchrec_pgas.sharding.tw_exchange import PgasInputError, TwFeature
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 _HEADER_WORDS = 8
-_WAIT_DATA = 3
+_WAIT_DATA = WAIT_DATA.value
 
 
 @dataclass
@@ -82,51 +83,29 @@ class _Symmetric:
         self.peers = t.peer_addresses(self.local)
 
 
-class DeviceTwExchange:
-    """GPU counterpart of ``TwExchange``; same arguments, plus the features of each
-    lookup group of this rank (``group_sizes``, in lookup order)."""
+class DeviceTwExchange(BaseTwExchange):
+    """GPU counterpart of ``TwExchange``: the arguments of ``BaseTwExchange``, plus the
+    number of features of each lookup group of this rank (``group_sizes``, in lookup
+    order) and whether the plan's tables are weighted."""
 
     def __init__(
         self,
         transport: NvshmemTransport,
-        features_per_rank: Sequence[Sequence[TwFeature]],
-        dim_sum_per_rank: Sequence[int],
-        out_dtype: torch.dtype,
-        headroom: float,
-        name: str,
         group_sizes: Sequence[int],
         weighted: bool,
+        **plan: Any,
     ) -> None:
-        self._t = transport
+        super().__init__(transport, **plan)
+        self._t: NvshmemTransport = transport
         self._dev = transport.device
-        self._features_per_rank = [list(f) for f in features_per_rank]
-        self._features = [f for fs in self._features_per_rank for f in fs]
         self._counts = [len(f) for f in self._features_per_rank]
-        self._num_rows = torch.tensor([f.num_embeddings for f in self._features], dtype=torch.int64, device=self._dev)
-        self._dims = list(dim_sum_per_rank)
-        self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
-        self._dim_total = sum(self._dims)
-        self._out_dtype = out_dtype
-        self._elem = torch.empty((), dtype=out_dtype).element_size()
-        self._headroom = headroom
-        self._name = name
         self._group_sizes = list(group_sizes)
         self._weighted = weighted
-        world, me = transport.world_size, transport.rank
-        self._all = torch.arange(world, dtype=torch.int32, device=self._dev)
-        owners = [r for r, d in enumerate(self._dims) if d > 0]
-        self._owners = torch.tensor(owners, dtype=torch.int32, device=self._dev)
-        self._owner_list = owners
-        self._layout: Optional[IdsSlotLayout] = None
-        self._send_step = self._recv_step = self._out_step = self._grad_step = 0
+        self._me = transport.rank
+        self._all = torch.arange(transport.world_size, dtype=torch.int32, device=self._dev)
+        self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
-        self._routes: Deque[DeviceRoute] = collections.deque()
-        self._me = me
-
-    @property
-    def world_size(self) -> int:
-        return self._t.world_size
 
     # ----------------------------------------------------------------- set-up
 
@@ -161,11 +140,7 @@ class DeviceTwExchange:
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Puts this rank's ids for the next step into every owner's slot."""
-        if kjt.keys() != [f.name for f in self._features]:
-            raise PgasInputError(
-                f"{self._name}: rank {self._me} got features {kjt.keys()}, "
-                f"the plan expects {[f.name for f in self._features]}"
-            )
+        self._check_keys(kjt.keys())
         if kjt.variable_stride_per_key():
             raise PgasInputError(f"{self._name}: variable batch per feature is not supported")
         batch, nf = kjt.stride(), len(self._features)
@@ -311,11 +286,6 @@ class DeviceTwExchange:
             self._ids, sig, sig, self._t.err, self._me, step, 0, self._t.timeout_ns,
         )
 
-    def pop_route(self) -> DeviceRoute:
-        if not self._routes:
-            raise PgasInputError(f"{self._name}: output dist called without a matching input dist")
-        return self._routes.popleft()
-
     # ---------------------------------------------------------- pooled forward
 
     def exchange_pooled(self, local_embs: torch.Tensor, route: DeviceRoute) -> torch.Tensor:
@@ -376,7 +346,7 @@ class DeviceTwExchange:
         step = self._grad_step
         me, world, cap = self._me, self._t.world_size, layout.batch_capacity
         grad_out = grad_out.to(self._out_dtype)
-        blocks = [grad_out[:, self._col_offsets[o] : self._col_offsets[o] + self._dims[o]].contiguous() for o in self._owner_list]
+        blocks = [grad_out[:, self._col_offsets[o] : self._col_offsets[o] + self._dims[o]].contiguous() for o in self._owners_with_tables]
         dst = ((step % DEFAULT_DEPTH) * world + me) * self._grad_slot
         chunks = torch.tensor(
             [[[dst, b.data_ptr(), b.numel() * self._elem]] for b in blocks], dtype=torch.int64

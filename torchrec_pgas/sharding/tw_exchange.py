@@ -16,29 +16,16 @@ into that owner's per-source slot; the owner stacks them in lookup order and han
 them to TorchRec's lookup, whose fused optimizer applies the update.
 """
 
-import collections
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
-from torchrec_pgas.transport import Mailbox, PgasError, Transport
-
-
-class PgasInputError(PgasError, ValueError):
-    """A rank fed a batch that cannot be served; raised on every rank."""
-
-
-@dataclass(frozen=True)
-class TwFeature:
-    """A feature as the table-wise plan places it."""
-
-    name: str
-    table: str
-    num_embeddings: int
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
+from torchrec_pgas.transport import Mailbox
 
 
 @dataclass(frozen=True)
@@ -48,52 +35,14 @@ class Route:
     batch_sizes: List[int]
 
 
-class TwExchange:
-    """Moves one table-wise sharding's ids, pooled rows and gradients.
+class TwExchange(BaseTwExchange):
+    """Moves one table-wise sharding's ids, pooled rows and gradients through any
+    ``Transport`` with host-side sizes (the host transport); see ``BaseTwExchange``
+    for the arguments."""
 
-    Args:
-        transport: one-sided transport over the sharding's process group.
-        features_per_rank: the features each rank owns, in the sharding's order.
-        dim_sum_per_rank: the total embedding dim of the tables each rank owns.
-        out_dtype: dtype of the pooled embeddings (the lookup's output dtype).
-        headroom: capacity factor over the first batch (see ``PgasOptions``).
-        name: prefix of error messages.
-    """
-
-    def __init__(
-        self,
-        transport: Transport,
-        features_per_rank: Sequence[Sequence[TwFeature]],
-        dim_sum_per_rank: Sequence[int],
-        out_dtype: torch.dtype,
-        headroom: float,
-        name: str,
-    ) -> None:
-        self._t = transport
-        self._features_per_rank = [list(f) for f in features_per_rank]
-        self._features = [f for fs in self._features_per_rank for f in fs]
-        self._num_rows = torch.tensor([f.num_embeddings for f in self._features], dtype=torch.int64)
-        self._dims = list(dim_sum_per_rank)
-        self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
-        self._dim_total = sum(self._dims)
-        self._out_dtype = out_dtype
-        self._elem = torch.empty((), dtype=out_dtype).element_size()
-        self._headroom = headroom
-        self._name = name
-        self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
-        self._layout: Optional[IdsSlotLayout] = None
-        self._ids: Optional[Mailbox] = None
-        self._out: Optional[Mailbox] = None
-        self._grads: Optional[Mailbox] = None
-        self._send_step = 0
-        self._recv_step = 0
-        self._out_step = 0
-        self._grad_step = 0
-        self._routes: Deque[Route] = collections.deque()
-
-    @property
-    def world_size(self) -> int:
-        return self._t.world_size
+    _ids: Optional[Mailbox] = None
+    _out: Optional[Mailbox] = None
+    _grads: Optional[Mailbox] = None
 
     # ----------------------------------------------------------------- set-up
 
@@ -144,11 +93,7 @@ class TwExchange:
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Puts this rank's ids for the next step into every owner's slot."""
-        if kjt.keys() != [f.name for f in self._features]:
-            raise PgasInputError(
-                f"{self._name}: rank {self._t.rank} got features {kjt.keys()}, "
-                f"the plan expects {[f.name for f in self._features]}"
-            )
+        self._check_keys(kjt.keys())
         lengths = kjt.lengths().to(torch.int32)
         header = self._check(kjt, lengths)
         batch = header.batch_size
@@ -236,12 +181,6 @@ class TwExchange:
             else None,
             stride=sum(h.batch_size for h in headers),
         )
-
-    def pop_route(self) -> Route:
-        """The route of the oldest step whose ids were received and not yet pooled."""
-        if not self._routes:
-            raise PgasError(f"{self._name}: output dist called without a matching input dist")
-        return self._routes.popleft()
 
     # ---------------------------------------------------------- pooled forward
 

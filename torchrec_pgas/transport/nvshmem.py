@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from torchrec_pgas.kernels.signals import WAIT_DATA, WAIT_OUT_FREE, WAIT_SLOT_FREE
 from torchrec_pgas.transport.base import (
     PgasTimeoutError,
     PgasTransportUnavailableError,
@@ -28,7 +29,11 @@ _SETUP_HINT = (
     "install the GPU extra (pip install 'torchrec-pgas[gpu]': nvshmem4py-cu13, "
     "nvidia-nvshmem-cu13, triton) and run one process per GPU"
 )
-_WHAT = {1: "a slot to be released", 2: "an output slot to be released", 3: "data"}
+_WHAT = {
+    WAIT_SLOT_FREE.value: "a slot to be released",
+    WAIT_OUT_FREE.value: "an output slot to be released",
+    WAIT_DATA.value: "data",
+}
 
 
 def _import_nvshmem():
@@ -106,6 +111,10 @@ class NvshmemTransport(Transport):
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
         self.err = self._tensor((4,), torch.int64)
+        # Targets for the interface's plain puts and signals, whose kernel always
+        # sets a signal word and takes a destination buffer.
+        self._scratch_signals = self._tensor((self.world_size,), torch.int64)
+        self._scratch_bytes = self._tensor((8,), torch.uint8)
         self._check_peer_access()
         self._closed = False
         atexit.register(self.close)
@@ -163,15 +172,10 @@ class NvshmemTransport(Transport):
             dtype=torch.int64,
         ).to(self.device, non_blocking=True)
         peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
-        # The signal word a put carries is this rank's ready word of a throw-away
-        # array: callers signal explicitly (``signal``) as the interface asks.
-        put_signal(peers, chunks, buf.handle, self._scratch_signals(), self._scratch_signals(),
+        # The kernel's own signal goes to a scratch word: callers signal explicitly
+        # (``signal``), as the interface asks.
+        put_signal(peers, chunks, buf.handle, self._scratch_signals, self._scratch_signals,
                    self.err, self.rank, 0, 0, self.timeout_ns)
-
-    def _scratch_signals(self) -> torch.Tensor:
-        if not hasattr(self, "_scratch"):
-            self._scratch = self._tensor((self.world_size,), torch.int64)
-        return self._scratch
 
     def put(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
         src = src.detach().contiguous()
@@ -189,20 +193,14 @@ class NvshmemTransport(Transport):
         # A put_signal with no chunks: fence, then set word ``index`` at ``peer``.
         peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
         put_signal(peers, torch.empty(1, 0, 3, dtype=torch.int64, device=self.device),
-                   self._scratch_u8(), sig.handle, self._scratch_signals(), self.err,
+                   self._scratch_bytes, sig.handle, self._scratch_signals, self.err,
                    index, value, 0, self.timeout_ns)
-
-    def _scratch_u8(self) -> torch.Tensor:
-        if not hasattr(self, "_scratch_bytes"):
-            self._scratch_bytes = self._tensor((8,), torch.uint8)
-        return self._scratch_bytes
 
     def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
         from torchrec_pgas.kernels.signal_wait import signal_wait
 
         peers = torch.tensor([index], dtype=torch.int32).to(self.device, non_blocking=True)
-        signal_wait(sig.handle, peers, value, self.err, 3, self.timeout_ns)
-        self._pending_what = what
+        signal_wait(sig.handle, peers, value, self.err, WAIT_DATA.value, self.timeout_ns)
 
     def check(self, context: Optional[str] = None) -> None:
         """Raises ``PgasTimeoutError`` if a device-side wait timed out (syncs the stream)."""

@@ -1,0 +1,81 @@
+"""What every table-wise exchange knows from the plan, whatever moves its data."""
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Deque, Optional, Sequence
+
+import torch
+
+from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+from torchrec_pgas.transport import PgasError, Transport
+
+
+class PgasInputError(PgasError, ValueError):
+    """A rank fed a batch that cannot be served; raised on every rank."""
+
+
+@dataclass(frozen=True)
+class TwFeature:
+    """A feature as the table-wise plan places it."""
+
+    name: str
+    table: str
+    num_embeddings: int
+
+
+class BaseTwExchange:
+    """Plan-derived state and step bookkeeping shared by the host and GPU exchanges.
+
+    Args:
+        transport: one-sided transport over the sharding's process group.
+        features_per_rank: the features each rank owns, in the sharding's order.
+        dim_sum_per_rank: the total embedding dim of the tables each rank owns.
+        out_dtype: dtype of the pooled embeddings (the lookup's output dtype).
+        headroom: capacity factor over the first batch (see ``PgasOptions``).
+        name: prefix of error messages.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        features_per_rank: Sequence[Sequence[TwFeature]],
+        dim_sum_per_rank: Sequence[int],
+        out_dtype: torch.dtype,
+        headroom: float,
+        name: str,
+    ) -> None:
+        self._t = transport
+        self._features_per_rank = [list(f) for f in features_per_rank]
+        self._features = [f for fs in self._features_per_rank for f in fs]
+        self._num_rows = torch.tensor(
+            [f.num_embeddings for f in self._features], dtype=torch.int64, device=transport.device
+        )
+        self._dims = list(dim_sum_per_rank)
+        self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
+        self._dim_total = sum(self._dims)
+        self._out_dtype = out_dtype
+        self._elem = torch.empty((), dtype=out_dtype).element_size()
+        self._headroom = headroom
+        self._name = name
+        self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
+        self._layout: Optional[IdsSlotLayout] = None
+        self._send_step = self._recv_step = self._out_step = self._grad_step = 0
+        self._routes: Deque[Any] = collections.deque()
+
+    @property
+    def world_size(self) -> int:
+        return self._t.world_size
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        expected = [f.name for f in self._features]
+        if list(keys) != expected:
+            raise PgasInputError(
+                f"{self._name}: rank {self._t.rank} got features {list(keys)}, "
+                f"the plan expects {expected}"
+            )
+
+    def pop_route(self) -> Any:
+        """The route of the oldest step whose ids were received and not yet pooled."""
+        if not self._routes:
+            raise PgasError(f"{self._name}: output dist called without a matching input dist")
+        return self._routes.popleft()
