@@ -35,6 +35,8 @@ class Status(IntEnum):
     BAD_LENGTHS = 3
     #: the KJT has a variable batch size per feature (VBE), which is not supported
     VARIABLE_BATCH = 4
+    #: detail = (0: ids are not integers, 1: weights are not floating point)
+    BAD_DTYPE = 5
 
 
 @dataclass
@@ -131,6 +133,9 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
     if header.status == Status.BAD_LENGTHS:
         where = f" (negative length in feature '{features[d[0]].name}')" if d[0] >= 0 else ""
         return f"rank {source} sent a KJT whose lengths and values disagree{where}"
+    if header.status == Status.BAD_DTYPE:
+        what = "ids that are not integers" if d[0] == 0 else "weights that are not floating point"
+        return f"rank {source} sent a KJT with {what}"
     return (
         f"rank {source} sent a KJT with a variable batch size per feature, which the "
         f"PGAS sharding types do not support"

@@ -74,6 +74,15 @@ class BaseTwExchange:
                 f"the plan expects {expected}"
             )
 
+    @staticmethod
+    def _dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
+        """``Status.BAD_DTYPE``'s detail for this batch, or None if its dtypes are fine."""
+        if values.dtype not in (torch.int32, torch.int64):
+            return 0
+        if weights is not None and not weights.is_floating_point():
+            return 1
+        return None
+
     def pop_route(self) -> Any:
         """The route of the oldest step whose ids were received and not yet pooled."""
         if not self._routes:

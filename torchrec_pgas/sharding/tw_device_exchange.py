@@ -144,9 +144,9 @@ class DeviceTwExchange(BaseTwExchange):
         if kjt.variable_stride_per_key():
             raise PgasInputError(f"{self._name}: variable batch per feature is not supported")
         batch, nf = kjt.stride(), len(self._features)
-        values = kjt.values().to(torch.int64)
+        raw_values, weights = kjt.values(), kjt.weights_or_none()
+        values = raw_values.to(torch.int64)
         lengths = kjt.lengths().to(torch.int32)
-        weights = kjt.weights_or_none()
         per_key = lengths.view(nf, batch).sum(1)
         ids_per_owner = torch.stack([c.sum() for c in per_key.split(self._counts)])
         if self._layout is None:
@@ -154,7 +154,7 @@ class DeviceTwExchange(BaseTwExchange):
         layout = self._layout
         assert layout is not None
 
-        status, detail = self._validate(values, lengths, per_key, ids_per_owner, batch, layout)
+        status, detail = self._validate(raw_values, weights, lengths, per_key, ids_per_owner, batch, layout)
         ok = status == Status.OK
         sent_batch = batch if batch <= layout.batch_capacity else 0
         self._my_batches.append(sent_batch)
@@ -192,7 +192,7 @@ class DeviceTwExchange(BaseTwExchange):
             self._me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
         )
 
-    def _validate(self, values, lengths, per_key, ids_per_owner, batch, layout):
+    def _validate(self, values, weights, lengths, per_key, ids_per_owner, batch, layout):
         """Status and detail words of this rank's batch, computed on the device."""
         dev = self._dev
         nf = len(self._features)
@@ -208,6 +208,11 @@ class DeviceTwExchange(BaseTwExchange):
         zero = torch.zeros((), dtype=torch.int64, device=dev)
         status = torch.full((), Status.OK, dtype=torch.int64, device=dev)
         detail = torch.zeros(3, dtype=torch.int64, device=dev)
+        bad_dtype = self._dtype_problem(values, weights)
+        if bad_dtype is not None:
+            status.fill_(Status.BAD_DTYPE)
+            detail[0] = bad_dtype
+            return status, detail
         if batch > layout.batch_capacity:
             status.fill_(Status.OVER_CAPACITY)
             detail[0], detail[1] = batch, ids_per_owner.max()

@@ -72,6 +72,9 @@ class TwExchange(BaseTwExchange):
         ok = Header(Status.OK, batch, 0, kjt.weights_or_none() is not None, ())
         if kjt.variable_stride_per_key():
             return Header(Status.VARIABLE_BATCH, batch, 0, False, ())
+        bad_dtype = self._dtype_problem(kjt.values(), kjt.weights_or_none())
+        if bad_dtype is not None:
+            return Header(Status.BAD_DTYPE, batch, 0, False, (bad_dtype,))
         negative = torch.nonzero(lengths < 0)
         if negative.numel():
             feature = int(negative[0, 0]) // batch

@@ -107,8 +107,6 @@ class HostTransport(Transport):
         self._job: str = job[0]  # type: ignore[assignment]
         self._count = 0
         self._unlinked_pending: Set[str] = set()
-        self._live: List[_Mapping] = []
-        self._closed = False
         sweep_stale_segments()
         atexit.register(self.close)
 
@@ -146,9 +144,8 @@ class HostTransport(Transport):
         self.barrier()
         os.unlink(own)
         self._unlinked_pending.discard(own)
-        mapping = _Mapping(peers=peers, maps=maps)
-        self._live.append(mapping)
-        return mapping
+        # Nothing else holds the mapping: it is unmapped when its buffer is dropped.
+        return _Mapping(peers=peers, maps=maps)
 
     def alloc(self, nbytes: int) -> SymmetricBuffer:
         mapping = self._map_all(nbytes)
@@ -160,8 +157,6 @@ class HostTransport(Transport):
     def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
         mapping: _Mapping = obj.handle
         self.barrier()
-        if mapping in self._live:
-            self._live.remove(mapping)
         mapping.peers.clear()
         mapping.maps.clear()
 
@@ -227,11 +222,11 @@ class HostTransport(Transport):
         dist.barrier(group=self.group)
 
     def close(self) -> None:
+        """Removes files of an allocation a crash interrupted; mappings go with their
+        buffers."""
         for path in list(self._unlinked_pending):
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
         self._unlinked_pending.clear()
-        self._live.clear()
-        self._closed = True

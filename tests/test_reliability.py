@@ -1,0 +1,253 @@
+"""Reliability of pgas_table_wise on the host transport: random batches against the
+float64 oracle (hypothesis), bad dtypes, a rank that dies mid-step, and no leaked
+mappings when sharded models come and go."""
+
+import functools
+import gc
+import os
+import queue
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+from dist_utils import assert_close_to_reference, reference_pooled, run_ranks, shard, tw_placement
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.sharding.tw_base import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_table_wise
+from torchrec_pgas.transport import PgasTimeoutError
+from torchrec_pgas.types import PgasOptions
+
+WORLD = 2
+pgas_tw = functools.partial(pgas_table_wise, compute_kernel="fused")
+
+
+# --------------------------------------------------------------- properties
+
+
+@st.composite
+def cases(draw):
+    """A plan (tables, owners, weighting) and one batch per rank, with empty bags and
+    ids at the table bounds."""
+    n = draw(st.integers(1, 4))
+    tables = [
+        dict(
+            rows=draw(st.integers(1, 30)),
+            dim=4 * draw(st.integers(1, 4)),
+            mean=draw(st.booleans()),
+            owner=draw(st.integers(0, WORLD - 1)),
+        )
+        for _ in range(n)
+    ]
+    weighted = draw(st.booleans())
+    batches = []
+    for _ in range(WORLD):
+        b = draw(st.integers(1, 5))
+        bags = []
+        for t in tables:
+            for _ in range(b):
+                ids = draw(st.lists(st.sampled_from([0, t["rows"] - 1, t["rows"] // 2]) | st.integers(0, t["rows"] - 1), max_size=4))
+                bags.append(ids)
+        batches.append((b, bags))
+    return dict(tables=tables, weighted=weighted, batches=batches, seed=draw(st.integers(0, 2**16)))
+
+
+def _run_case(rank, case):
+    specs = case["tables"]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=[f"f{i}"],
+            pooling=PoolingType.MEAN if t["mean"] else PoolingType.SUM,
+        )
+        for i, t in enumerate(specs)
+    ]
+    torch.manual_seed(case["seed"])
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=case["weighted"], device=torch.device("cpu"))
+    model = shard(ref, tw_placement(tables, [t["owner"] for t in specs], pgas_tw), WORLD, PgasEmbeddingBagCollectionSharder())
+    batch, bags = case["batches"][rank]
+    values = torch.tensor([i for bag in bags for i in bag], dtype=torch.int64)
+    g = torch.Generator().manual_seed(case["seed"] + rank)
+    kjt = KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(len(specs))],
+        values=values,
+        lengths=torch.tensor([len(bag) for bag in bags], dtype=torch.int64),
+        weights=torch.rand(values.numel(), generator=g) if case["weighted"] else None,
+    )
+    assert_close_to_reference(model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+
+
+def _serve(rank, port, inbox, outbox):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    while (case := inbox.get()) is not None:
+        try:
+            _run_case(rank, case)
+            outbox.put((rank, None))
+        except Exception:
+            outbox.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _RankPool:
+    """WORLD long-lived ranks of one gloo group that run one case at a time: a
+    process group per example would cost seconds each."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.inboxes = [ctx.Queue() for _ in range(WORLD)]
+        self.outbox = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, port, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(WORLD)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, case) -> None:
+        for box in self.inboxes:
+            box.put(case)
+        errors = []
+        for _ in range(WORLD):
+            try:
+                rank, error = self.outbox.get(timeout=120)
+            except queue.Empty:
+                raise AssertionError(f"no answer within 120 s for {case}")
+            if error:
+                errors.append(f"rank {rank}:\n{error}")
+        assert not errors, f"{case}\n" + "\n".join(errors)
+
+    def close(self) -> None:
+        for box in self.inboxes:
+            box.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = _RankPool()
+    yield p
+    p.close()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_random_batches_match_the_float64_oracle(pool, case):
+    pool.run(case)
+
+
+# ------------------------------------------------------------ bad dtypes
+
+
+def _bad_dtypes(rank, world_size):
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    model = shard(ref, tw_placement(tables, [1], pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
+    good = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    model(good).to_dict()
+    values = torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else good.values()
+    floats = KeyedJaggedTensor(keys=["f0"], values=values, lengths=torch.tensor([2, 1]))
+    with pytest.raises(PgasInputError, match="rank 0 sent a KJT with ids that are not integers"):
+        model(floats)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+
+
+def test_ids_of_a_wrong_dtype_raise_on_every_rank():
+    run_ranks(_bad_dtypes, WORLD)
+
+
+# ---------------------------------------------------------------- dead rank
+
+
+def _dead_rank(rank, world_size):
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=3))
+    model = shard(ref, tw_placement(tables, [0], pgas_tw), world_size, sharder)
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    model(kjt).to_dict()
+    if rank == 1:
+        os._exit(0)  # dies between two steps, as a crashed trainer would
+    with pytest.raises(PgasTimeoutError, match=r"rank 0: timed out after 3.0 s waiting for .* from rank 1"):
+        model(kjt)
+    os._exit(0)  # the group is broken: no barrier, no teardown
+
+
+def test_a_dead_rank_makes_its_peers_raise_within_the_timeout():
+    run_ranks(_dead_rank, WORLD)
+
+
+# --------------------------------------------------------------------- leaks
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("torchrec_pgas." in line for line in f)
+
+
+def _churn(rank, world_size):
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20, feature_names=[f"f{i}"]) for i in range(2)]
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    counts = []
+    for _ in range(8):
+        ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        model = shard(ref, tw_placement(tables, [0, 1], pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
+        model(kjt).to_dict()
+        del model, ref
+        gc.collect()
+        counts.append(_mapped_segments())
+    assert counts[-1] == counts[1], f"mappings grow as models come and go: {counts}"
+
+
+def test_models_that_come_and_go_leak_no_mappings():
+    run_ranks(_churn, WORLD)
+
+
+# ------------------------------------------------------------------ long run
+
+
+def _long_run(rank, world_size, steps, check_every):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.sharding_plan import table_wise
+
+    from dist_utils import make_tables, random_kjt
+    from torchrec_pgas.testing import gather_unsharded_state_dict
+
+    tables = make_tables(4, seed=21)
+    torch.manual_seed(21)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-3}
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused)
+    owners = [0, 1, 1, 0]
+    pgas = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, sharder)
+    tw = shard(ref, tw_placement(tables, owners, functools.partial(table_wise, compute_kernel="fused")), world_size, sharder)
+    like = ref.state_dict()
+    for step in range(1, steps + 1):
+        kjt = random_kjt(tables, 3 + (step + rank) % 4, seed=step * 10 + rank)
+        for model in (pgas, tw):
+            kt = model(kjt).to_dict()
+            sum(v.square().sum() for v in kt.values()).backward()
+        if step % check_every == 0:
+            a = gather_unsharded_state_dict(pgas, like, prefix="ebc.")
+            b = gather_unsharded_state_dict(tw, like, prefix="ebc.")
+            for name in b:
+                assert torch.equal(a[name], b[name]), f"step {step}: {name} differs from table_wise"
+
+
+def test_training_stays_identical_to_table_wise_short_run():
+    run_ranks(_long_run, WORLD, steps=300, check_every=100)
+
+
+@pytest.mark.slow
+def test_training_stays_identical_to_table_wise_10k_steps():
+    run_ranks(_long_run, WORLD, steps=10_000, check_every=1_000)
