@@ -27,7 +27,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import TwFeature
+from torchrec_pgas.sharding.tw_base import TwFeature, attach_route, route_of
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import Transport, get_transport
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
@@ -110,7 +110,7 @@ class PgasTwPooledEmbeddingDist(
         local_embs: torch.Tensor,
         sharding_ctx: Optional[EmbeddingShardingContext] = None,
     ) -> Awaitable[torch.Tensor]:
-        route = self._exchange.pop_route()
+        route = route_of(local_embs, PGAS_TABLE_WISE)
         if not torch.is_grad_enabled():
             return _Done(self._exchange.exchange_pooled(local_embs, route))
         # Every rank must run the backward exchange, also a rank whose own lookup
@@ -127,10 +127,12 @@ class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     def forward(self, sparse_features: Any) -> torch.Tensor:
         groups = getattr(sparse_features, "groups", None)
         if groups is None:
-            return super().forward(sparse_features)
-        return embeddings_cat_empty_rank_handle(
-            self._forward(groups), self._dummy_embs_tensor, dim=1
-        )
+            out = super().forward(sparse_features)
+        else:
+            out = embeddings_cat_empty_rank_handle(
+                self._forward(groups), self._dummy_embs_tensor, dim=1
+            )
+        return attach_route(out, route_of(sparse_features, PGAS_TABLE_WISE))
 
 
 def _features_per_rank(sharding: TwPooledEmbeddingSharding) -> List[List[TwFeature]]:

@@ -1,8 +1,7 @@
 """What every table-wise exchange knows from the plan, whatever moves its data."""
 
-import collections
 from dataclasses import dataclass
-from typing import Any, Deque, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -60,7 +59,6 @@ class BaseTwExchange:
         self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
         self._layout: Optional[IdsSlotLayout] = None
         self._send_step = self._recv_step = self._out_step = self._grad_step = 0
-        self._routes: Deque[Any] = collections.deque()
 
     @property
     def world_size(self) -> int:
@@ -83,8 +81,23 @@ class BaseTwExchange:
             return 1
         return None
 
-    def pop_route(self) -> Any:
-        """The route of the oldest step whose ids were received and not yet pooled."""
-        if not self._routes:
-            raise PgasError(f"{self._name}: output dist called without a matching input dist")
-        return self._routes.popleft()
+
+#: The attribute that carries a step's route from the lookup input (KJT) to the lookup
+#: output (tensor): a pipeline may drop a batch after its input dist, so routes ride
+#: with their batch rather than in a queue.
+_ROUTE = "_pgas_route"
+
+
+def attach_route(obj: Any, route: Any) -> Any:
+    setattr(obj, _ROUTE, route)
+    return obj
+
+
+def route_of(obj: Any, name: str) -> Any:
+    route = getattr(obj, _ROUTE, None)
+    if route is None:
+        raise PgasError(
+            f"{name}: the lookup output carries no route: the output dist was given "
+            f"a tensor that did not come from the PGAS lookup"
+        )
+    return route

@@ -36,7 +36,7 @@ from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
 from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
@@ -281,8 +281,11 @@ class DeviceTwExchange(BaseTwExchange):
                 first += size
         # Everything is read (stream ordered): release the slots to their sources.
         self._signal(self._all, self._ids_free, step)
-        self._routes.append(DeviceRoute(headers=headers, my_batch=self._my_batches.popleft()))
-        return LookupBatch(groups=groups, headers=headers, bags_per_feature=world * cap)
+        route = DeviceRoute(headers=headers, my_batch=self._my_batches.popleft())
+        return attach_route(
+            LookupBatch(groups=groups, headers=headers, bags_per_feature=world * cap),
+            route,
+        )
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""

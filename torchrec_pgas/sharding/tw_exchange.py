@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport import Mailbox
 
 
@@ -167,7 +167,6 @@ class TwExchange(BaseTwExchange):
         ]
         if errors:
             raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
-        self._routes.append(Route([h.batch_size for h in headers]))
         has_weights = {h.has_weights for h in headers}
         if len(has_weights) > 1:
             raise PgasInputError(
@@ -175,7 +174,7 @@ class TwExchange(BaseTwExchange):
             )
         order = range(self._t.world_size)
         values = torch.cat([ids[s][f] for f in range(nf) for s in order] or [torch.empty(0, dtype=torch.int64)])
-        return KeyedJaggedTensor(
+        kjt = KeyedJaggedTensor(
             keys=[f.name for f in features],
             values=values,
             lengths=torch.cat(lengths, dim=1).view(-1) if lengths else torch.empty(0, dtype=torch.int32),
@@ -184,6 +183,7 @@ class TwExchange(BaseTwExchange):
             else None,
             stride=sum(h.batch_size for h in headers),
         )
+        return attach_route(kjt, Route([h.batch_size for h in headers]))
 
     # ---------------------------------------------------------- pooled forward
 
