@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 CPU_DEPS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 tqdm \
 	pyre-extensions iopath pytest hypothesis matplotlib numpy triton==3.6.0 nvidia-nvshmem-cu13==3.4.5
 NPROC ?= 2
+DEMO_CHECKPOINT ?= .demo_checkpoint
+TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
 .PHONY: install test demo clean
 
@@ -23,8 +25,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
+# Train a DLRM with pgas_table_wise, then serve its checkpoint under pgas_table_wise and
+# TorchRec's table_wise side by side.
 demo: install
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) examples/dlrm/demo.py
+	rm -rf $(DEMO_CHECKPOINT)
+	$(TORCHRUN) examples/dlrm/train.py --sharding pgas_table_wise --steps 300 --checkpoint $(DEMO_CHECKPOINT)
+	$(TORCHRUN) examples/dlrm/infer.py --checkpoint $(DEMO_CHECKPOINT) --shardings pgas_table_wise,table_wise
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info $(DEMO_CHECKPOINT)
