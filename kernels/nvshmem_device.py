@@ -4,8 +4,8 @@ device bitcode (``libnvshmem_device.bc``, linked at compile time).
 Pointers are passed as ``int64`` addresses (``ptr.to(tl.int64)``), as the bitcode
 takes ``void *``. An extern call runs in every thread of the program: the ``*_block``
 functions are written for that (the block cooperates on one operation); the
-thread-scope ones used here (``signal_op`` with ``SIGNAL_SET``, ``fence``, ``quiet``)
-are idempotent when every thread issues them.
+thread-scope ones used here (``signal_op`` with ``SIGNAL_SET``, ``fence``) are
+idempotent when every thread issues them.
 
 The constants are NVSHMEM's own (``nvshmem_defines.h``), not the ones some wrappers
 document: over NVLink any signal op other than 9 behaves as an add.
@@ -13,9 +13,9 @@ document: over NVLink any signal op other than 9 behaves as an add.
 
 from triton.language import core
 
+# NVSHMEM_SIGNAL_SET; NVSHMEM_SIGNAL_ADD is 10, the comparisons are EQ=0 NE=1 GT=2 LE=3
+# LT=4 GE=5.
 SIGNAL_SET = core.constexpr(9)
-SIGNAL_ADD = core.constexpr(10)
-CMP_GE = core.constexpr(5)  # CMP_EQ=0, NE=1, GT=2, LE=3, LT=4, GE=5
 
 _I32, _I64, _U64 = core.dtype("int32"), core.dtype("int64"), core.dtype("uint64")
 
@@ -26,16 +26,6 @@ def putmem_nbi_block(dest, source, nbytes, pe, _semantic=None):
     return core.extern_elementwise(
         "", "", [dest, source, nbytes, pe],
         {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
-        is_pure=False, _semantic=_semantic,
-    )
-
-
-@core.extern
-def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, _semantic=None):
-    """``nvshmemx_putmem_signal_nbi_block``: the signal is delivered after the data."""
-    return core.extern_elementwise(
-        "", "", [dest, source, nbytes, sig_addr, signal, sig_op, pe],
-        {(_I64, _I64, _I64, _I64, _U64, _I32, _I32): ("nvshmemx_putmem_signal_nbi_block", _I32)},
         is_pure=False, _semantic=_semantic,
     )
 
@@ -55,14 +45,6 @@ def fence(_semantic=None):
     """``nvshmem_fence()``: orders this thread's puts to each PE before later ones."""
     return core.extern_elementwise(
         "", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False, _semantic=_semantic
-    )
-
-
-@core.extern
-def quiet(_semantic=None):
-    """``nvshmem_quiet()``: completes every put this thread issued."""
-    return core.extern_elementwise(
-        "", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False, _semantic=_semantic
     )
 
 
