@@ -25,12 +25,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
-# Train a DLRM with pgas_table_wise, then serve its checkpoint under pgas_table_wise and
-# TorchRec's table_wise side by side.
+# Train a DLRM with pgas_table_wise on a small file in Criteo's format, then serve its
+# checkpoint under pgas_table_wise and TorchRec's table_wise side by side.
 demo: install
-	rm -rf $(DEMO_CHECKPOINT)
-	$(TORCHRUN) examples/dlrm/train.py --sharding pgas_table_wise --steps 300 --checkpoint $(DEMO_CHECKPOINT)
-	$(TORCHRUN) examples/dlrm/infer.py --checkpoint $(DEMO_CHECKPOINT) --shardings pgas_table_wise,table_wise
+	rm -rf $(DEMO_CHECKPOINT) && mkdir -p $(DEMO_CHECKPOINT)
+	$(PY) examples/dlrm/make_criteo_sample.py $(DEMO_CHECKPOINT)/sample.tsv --lines 40000
+	$(TORCHRUN) examples/dlrm/train.py --sharding pgas_table_wise --steps 300 \
+		--data $(DEMO_CHECKPOINT)/sample.tsv --checkpoint $(DEMO_CHECKPOINT)/model
+	$(TORCHRUN) examples/dlrm/infer.py --checkpoint $(DEMO_CHECKPOINT)/model \
+		--shardings pgas_table_wise,table_wise
 
 clean:
 	rm -rf $(VENV) *.egg-info $(DEMO_CHECKPOINT)

@@ -3,7 +3,8 @@
 Criteo TSV (one sample a line): ``label \\t 13 integer features \\t 26 categorical
 features as hex strings``; empty fields are allowed. Integers go through
 ``log(1 + max(x, 0))``, categories are hashed into the tables' rows. Each rank reads
-every ``world``-th line, so ranks see disjoint samples.
+every ``world``-th line, so ranks see disjoint samples; every tenth line is held out
+for evaluation (``held_out=True``) and never trained on.
 """
 
 import itertools
@@ -38,11 +39,14 @@ def _parse(line: str, keys: List[str], rows: int):
     return label, dense, ids
 
 
-def criteo_batches(path: str, keys: List[str], batch_size: int, rows: int, rank: int, world: int) -> Iterator[Batch]:
+def criteo_batches(
+    path: str, keys: List[str], batch_size: int, rows: int, rank: int, world: int, held_out: bool = False
+) -> Iterator[Batch]:
     """Endless batches from a Criteo TSV file (it is read again from the start)."""
     while True:
         with open(path) as f:
-            lines = itertools.islice(f, rank, None, world)
+            split = (line for i, line in enumerate(f) if (i % 10 == 9) == held_out)
+            lines = itertools.islice(split, rank, None, world)
             while chunk := list(itertools.islice(lines, batch_size)):
                 if len(chunk) < batch_size:
                     break

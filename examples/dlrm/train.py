@@ -40,11 +40,11 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def batches(args: argparse.Namespace, seed: int):
+def batches(args: argparse.Namespace, held_out: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.data == "random":
-        return random_batches(feature_names(args), args.batch_size, args.rows, seed + rank)
-    return criteo_batches(args.data, feature_names(args), args.batch_size, args.rows, rank, world)
+        return random_batches(feature_names(args), args.batch_size, args.rows, 10_000 * held_out + rank)
+    return criteo_batches(args.data, feature_names(args), args.batch_size, args.rows, rank, world, held_out)
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     )
     pipeline = TrainPipelineSparseDist(model, CombinedOptimizer([model.fused_optimizer, dense]), device)
 
-    train = itertools.islice(batches(args, seed=0), args.steps)
+    train = itertools.islice(batches(args, held_out=False), args.steps)
     losses, start = [], time.perf_counter()
     for _ in tqdm(range(args.steps), desc=f"train {args.sharding}", disable=rank != 0):
         loss, _, _ = pipeline.progress(train)  # DLRMTrain: (loss, logits, labels)
@@ -73,7 +73,7 @@ def main() -> None:
     # alone (no backward, no optimizer step).
     auroc = torchmetrics.AUROC(task="binary").to(device)
     model.eval()
-    held_out = itertools.islice(batches(args, seed=10_000), args.eval_batches)
+    held_out = itertools.islice(batches(args, held_out=True), args.eval_batches)
     with torch.no_grad():
         for _ in range(args.eval_batches):
             _, logits, labels = pipeline.progress(held_out)
