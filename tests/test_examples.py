@@ -29,7 +29,7 @@ def test_train_checkpoint_and_serve_under_the_other_sharding(tmp_path, trained, 
 
 def test_train_on_criteo_tsv_learns(tmp_path):
     sample = str(tmp_path / "sample.tsv")
-    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "6000"], check=True)
-    out = _torchrun("train.py", "--data", sample, "--steps", "40", "--batch-size", "64")
+    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "16000"], check=True)
+    out = _torchrun("train.py", "--data", sample, "--steps", "150", "--batch-size", "64", "--rows", "4000")
     auroc = float(out.split("eval AUROC ")[1].split(",")[0])
-    assert auroc > 0.7, out  # the sample's label leans on one categorical feature
+    assert auroc > 0.75, out  # the label is a function of one categorical feature
