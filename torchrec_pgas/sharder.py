@@ -11,7 +11,7 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_pgas.types import PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -42,6 +42,12 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return PgasTwPooledEmbeddingSharding(
                 sharding_infos, env, device, options=self._pgas_options
             )
+        if sharding_type == PGAS_ROW_WISE:
+            from torchrec_pgas.sharding.row_wise import PgasRwPooledEmbeddingSharding
+
+            return PgasRwPooledEmbeddingSharding(
+                sharding_infos, env, device, options=self._pgas_options
+            )
         return super().create_embedding_bag_sharding(
             sharding_infos,
             env,
@@ -70,7 +76,9 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self._pgas_options = options or PgasOptions()
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return super().sharding_types(compute_device_type) + list(PGAS_SHARDING_TYPES)
+        # pgas_row_wise has no GPU path yet: never offer it where it would raise.
+        pgas = [t for t in PGAS_SHARDING_TYPES if t != PGAS_ROW_WISE or compute_device_type == "cpu"]
+        return super().sharding_types(compute_device_type) + pgas
 
     def shard(
         self,

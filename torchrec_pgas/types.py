@@ -6,8 +6,11 @@ from typing import Literal, Tuple
 #: Table-wise sharding whose input and output distributions are one-sided puts.
 PGAS_TABLE_WISE: str = "pgas_table_wise"
 
+#: Row-wise sharding whose bucketed ids and partial sums travel by one-sided puts.
+PGAS_ROW_WISE: str = "pgas_row_wise"
+
 #: Every sharding type this package adds to TorchRec, in the order they are offered.
-PGAS_SHARDING_TYPES: Tuple[str, ...] = (PGAS_TABLE_WISE,)
+PGAS_SHARDING_TYPES: Tuple[str, ...] = (PGAS_TABLE_WISE, PGAS_ROW_WISE)
 
 TransportKind = Literal["auto", "host", "nvshmem"]
 

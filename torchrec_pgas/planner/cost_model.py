@@ -48,6 +48,7 @@ from typing import Dict, Tuple
 from torchrec.distributed.planner.estimator.estimator import (
     EmbeddingShardingPerfEvaluator,
     InferenceShardingPerfEvaluator,
+    RowWiseEvaluator,
     TableWiseEvaluator,
 )
 from torchrec.distributed.planner.estimator.types import (
@@ -56,7 +57,7 @@ from torchrec.distributed.planner.estimator.types import (
 )
 
 from torchrec_pgas.planner.layout import torchrec_layout
-from torchrec_pgas.types import PGAS_TABLE_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 #: Cost, in ms, of signalling one peer. Signals to different peers are in flight together,
 #: so each adds its issue cost (~100 ns), not a whole link round trip.
@@ -113,11 +114,33 @@ class PgasTableWiseInferenceEvaluator(InferenceShardingPerfEvaluator, PgasTableW
     """``pgas_table_wise`` for inference: the forward terms only."""
 
 
+class PgasRowWiseEvaluator(RowWiseEvaluator):
+    """``pgas_row_wise``: TorchRec's row-wise estimate, computed on a context relabelled
+    ``row_wise``. The puts of ids and partial sums move the bytes the all-to-all and
+    the reduce-scatter move, so this is an upper bound until the row-wise exchange has
+    its own measured model (it pays no collective latency and overlaps the lookup)."""
+
+    def compute_fwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        return super().compute_fwd_comp(_as_torchrec_layout(ctx), config)
+
+    def compute_bwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)
+
+    def compute_prefetch_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
+        return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)
+
+
+class PgasRowWiseInferenceEvaluator(InferenceShardingPerfEvaluator, PgasRowWiseEvaluator):
+    """``pgas_row_wise`` for inference: the forward terms only."""
+
+
 _TRAINING_EVALUATORS: Dict[str, EmbeddingShardingPerfEvaluator] = {
     PGAS_TABLE_WISE: PgasTableWiseEvaluator(),
+    PGAS_ROW_WISE: PgasRowWiseEvaluator(),
 }
 _INFERENCE_EVALUATORS: Dict[str, EmbeddingShardingPerfEvaluator] = {
     PGAS_TABLE_WISE: PgasTableWiseInferenceEvaluator(),
+    PGAS_ROW_WISE: PgasRowWiseInferenceEvaluator(),
 }
 
 

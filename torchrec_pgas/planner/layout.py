@@ -12,7 +12,7 @@ from typing import List, Mapping
 
 from torchrec.distributed.types import ShardingType
 
-from torchrec_pgas.types import PGAS_SHARDING_TYPES, PGAS_TABLE_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,10 @@ class PgasLayout:
 
 
 PGAS_LAYOUTS: Mapping[str, PgasLayout] = MappingProxyType(
-    {PGAS_TABLE_WISE: PgasLayout(ShardingType.TABLE_WISE.value, "PTW")}
+    {
+        PGAS_TABLE_WISE: PgasLayout(ShardingType.TABLE_WISE.value, "PTW"),
+        PGAS_ROW_WISE: PgasLayout(ShardingType.ROW_WISE.value, "PRW"),
+    }
 )
 
 # A PGAS type added to types.py without a layout would reach TorchRec's planner

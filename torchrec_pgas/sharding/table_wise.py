@@ -8,131 +8,29 @@ optimizers behave identically. Only the two collectives are replaced: see
 ``tw_exchange`` for the algorithm.
 """
 
-from typing import Any, Dict, List, Optional, TypeVar
+from typing import Any, Dict, List, Optional
 
 import torch
-from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
     EmbeddingShardingContext,
     EmbeddingShardingInfo,
 )
-from torchrec.distributed.embedding_lookup import (
-    GroupedPooledEmbeddingsLookup,
-    embeddings_cat_empty_rank_handle,
-)
 from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import Awaitable, ShardingEnv
+from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import TwFeature, attach_route, route_of
+from torchrec_pgas.sharding.dists import (
+    PgasGroupedPooledEmbeddingsLookup,
+    PgasPooledEmbeddingDist,
+    PgasSparseFeaturesDist,
+)
+from torchrec_pgas.sharding.tw_base import TwFeature
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import Transport, get_transport
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
-
-T = TypeVar("T")
-
-
-class _Done(Awaitable[T]):
-    """An awaitable whose value is already known."""
-
-    def __init__(self, value: T) -> None:
-        super().__init__()
-        self._value = value
-
-    def _wait_impl(self) -> T:
-        return self._value
-
-
-class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
-    """Waits for every source's ids of the step and forms the lookup's KJT."""
-
-    def __init__(self, exchange: Any) -> None:
-        super().__init__()
-        self._exchange = exchange
-
-    def _wait_impl(self) -> KeyedJaggedTensor:
-        return self._exchange.recv_ids()
-
-
-class PgasTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
-    """Puts each owner's features into its per-source slot; no splits exchange."""
-
-    def __init__(self, exchange: Any) -> None:
-        super().__init__()
-        self._exchange = exchange
-
-    def forward(
-        self, sparse_features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        self._exchange.send_ids(sparse_features)
-        return _Done(_ReceiveIds(self._exchange))
-
-
-class _ExchangePooled(torch.autograd.Function):
-    """Forward puts pooled rows to their requesters; backward puts the gradient
-    blocks back to their owners."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        local_embs: torch.Tensor,
-        anchor: torch.Tensor,
-        exchange: Any,
-        route: Any,
-    ) -> torch.Tensor:
-        ctx.exchange, ctx.route, ctx.shape = exchange, route, local_embs.shape
-        return exchange.exchange_pooled(local_embs, route)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape)
-        if get_gradient_division():
-            # TorchRec's all-to-all backward averages over ranks, the way DDP does for
-            # dense parameters; match it so that training is identical.
-            grad.div_(ctx.exchange.world_size)
-        return grad, None, None, None
-
-
-class PgasTwPooledEmbeddingDist(
-    BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]
-):
-    """Puts pooled rows at their final place in each requester's output."""
-
-    def __init__(self, exchange: Any) -> None:
-        super().__init__()
-        self._exchange = exchange
-
-    def forward(
-        self,
-        local_embs: torch.Tensor,
-        sharding_ctx: Optional[EmbeddingShardingContext] = None,
-    ) -> Awaitable[torch.Tensor]:
-        route = route_of(local_embs, PGAS_TABLE_WISE)
-        if not torch.is_grad_enabled():
-            return _Done(self._exchange.exchange_pooled(local_embs, route))
-        # Every rank must run the backward exchange, also a rank whose own lookup
-        # has nothing to differentiate (it owns no table): the anchor makes the
-        # output require grad everywhere.
-        anchor = torch.empty(0, requires_grad=True)
-        return _Done(_ExchangePooled.apply(local_embs, anchor, self._exchange, route))
-
-
-class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
-    """TorchRec's table-wise lookup (same modules, parameters and state), which also
-    takes the GPU exchange's fixed-shape ``LookupBatch`` of already-split groups."""
-
-    def forward(self, sparse_features: Any) -> torch.Tensor:
-        groups = getattr(sparse_features, "groups", None)
-        if groups is None:
-            out = super().forward(sparse_features)
-        else:
-            out = embeddings_cat_empty_rank_handle(
-                self._forward(groups), self._dummy_embs_tensor, dim=1
-            )
-        return attach_route(out, route_of(sparse_features, PGAS_TABLE_WISE))
 
 
 def _features_per_rank(sharding: TwPooledEmbeddingSharding) -> List[List[TwFeature]]:
@@ -147,10 +45,11 @@ def _features_per_rank(sharding: TwPooledEmbeddingSharding) -> List[List[TwFeatu
     ]
 
 
-def _output_dtype(sharding_infos: List[EmbeddingShardingInfo]) -> torch.dtype:
+def output_dtype(sharding_infos: List[EmbeddingShardingInfo]) -> torch.dtype:
+    """The pooled embeddings' dtype (TorchRec's ``output_dtype`` fused parameter)."""
     fused = sharding_infos[0].fused_params or {}
-    output_dtype = fused.get("output_dtype")
-    return output_dtype.as_dtype() if output_dtype is not None else torch.float32
+    dtype = fused.get("output_dtype")
+    return dtype.as_dtype() if dtype is not None else torch.float32
 
 
 class PgasTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
@@ -172,7 +71,7 @@ class PgasTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     ) -> None:
         super().__init__(sharding_infos, env, device)
         self._options = options or PgasOptions()
-        self._out_dtype = _output_dtype(sharding_infos)
+        self._out_dtype = output_dtype(sharding_infos)
         self._exchange: Optional[TwExchange] = None
 
     def _get_exchange(self, device: Optional[torch.device]) -> Any:
@@ -214,6 +113,7 @@ class PgasTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
     ) -> PgasGroupedPooledEmbeddingsLookup:
         return PgasGroupedPooledEmbeddingsLookup(
+            name=PGAS_TABLE_WISE,
             grouped_configs=self._grouped_embedding_configs,
             pg=self._pg,
             device=device if device is not None else self._device,
@@ -224,9 +124,9 @@ class PgasTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     def create_input_dist(
         self, device: Optional[torch.device] = None
     ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        return PgasTwSparseFeaturesDist(self._get_exchange(device))
+        return PgasSparseFeaturesDist(self._get_exchange(device))
 
     def create_output_dist(
         self, device: Optional[torch.device] = None
     ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
-        return PgasTwPooledEmbeddingDist(self._get_exchange(device))
+        return PgasPooledEmbeddingDist(self._get_exchange(device), PGAS_TABLE_WISE)

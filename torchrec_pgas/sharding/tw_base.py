@@ -32,6 +32,8 @@ class BaseTwExchange:
         out_dtype: dtype of the pooled embeddings (the lookup's output dtype).
         headroom: capacity factor over the first batch (see ``PgasOptions``).
         name: prefix of error messages.
+        input_features: the features of the batches the input dist is given, with the
+            rows their ids index (default: ``features_per_rank`` flattened).
     """
 
     def __init__(
@@ -42,12 +44,14 @@ class BaseTwExchange:
         out_dtype: torch.dtype,
         headroom: float,
         name: str,
+        input_features: Optional[Sequence[TwFeature]] = None,
     ) -> None:
         self._t = transport
         self._features_per_rank = [list(f) for f in features_per_rank]
         self._features = [f for fs in self._features_per_rank for f in fs]
+        self._input_features = list(input_features or self._features)
         self._num_rows = torch.tensor(
-            [f.num_embeddings for f in self._features], dtype=torch.int64, device=transport.device
+            [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=transport.device
         )
         self._dims = list(dim_sum_per_rank)
         self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
@@ -65,7 +69,7 @@ class BaseTwExchange:
         return self._t.world_size
 
     def _check_keys(self, keys: Sequence[str]) -> None:
-        expected = [f.name for f in self._features]
+        expected = [f.name for f in self._input_features]
         if list(keys) != expected:
             raise PgasInputError(
                 f"{self._name}: rank {self._t.rank} got features {list(keys)}, "

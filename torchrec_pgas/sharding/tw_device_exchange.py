@@ -337,7 +337,7 @@ class DeviceTwExchange(BaseTwExchange):
             w = record[7 * source : 7 * source + 7]
             if w[0] != Status.OK:
                 h = Header(Status(w[0]), w[1], w[2], bool(w[3]), tuple(w[4:7]))
-                errors.append(describe(source, h, self._features, self._layout))
+                errors.append(describe(source, h, self._input_features, self._layout))
         if errors:
             raise PgasInputError(f"{self._name} step {self._out_step}: " + "; ".join(errors))
 

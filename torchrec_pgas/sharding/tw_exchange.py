@@ -30,9 +30,12 @@ from torchrec_pgas.transport import Mailbox
 
 @dataclass(frozen=True)
 class Route:
-    """What the output and gradient exchanges of one step need from its input."""
+    """What the output and gradient exchanges of one step need from its input:
+    every source's batch size, and what this rank's summed output is divided by (mean
+    pooling of row-wise partial sums), if anything."""
 
     batch_sizes: List[int]
+    divisor: Optional[torch.Tensor] = None
 
 
 class TwExchange(BaseTwExchange):
@@ -43,6 +46,9 @@ class TwExchange(BaseTwExchange):
     _ids: Optional[Mailbox] = None
     _out: Optional[Mailbox] = None
     _grads: Optional[Mailbox] = None
+    #: Whether every owner sends a whole output row to sum (row-wise) rather than its
+    #: column block (table-wise): then each owner has its own output slot.
+    _partial_sums = False
 
     # ----------------------------------------------------------------- set-up
 
@@ -58,7 +64,7 @@ class TwExchange(BaseTwExchange):
         rows = self._layout.batch_capacity
         self._ids = Mailbox(self._t, self._layout.nbytes, True, f"{self._name} ids")
         self._out = Mailbox(
-            self._t, rows * self._dim_total * elem, False, f"{self._name} pooled rows"
+            self._t, rows * self._dim_total * elem, self._partial_sums, f"{self._name} pooled rows"
         )
         self._grads = Mailbox(
             self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients"
@@ -67,7 +73,8 @@ class TwExchange(BaseTwExchange):
     # ------------------------------------------------------------ ids forward
 
     def _check(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Header:
-        """The status this source reports for ``kjt`` (before any capacity check)."""
+        """The status this source reports for ``kjt``, the batch as the sharding's input
+        dist receives it (before any capacity check)."""
         batch = kjt.stride()
         ok = Header(Status.OK, batch, 0, kjt.weights_or_none() is not None, ())
         if kjt.variable_stride_per_key():
@@ -79,7 +86,7 @@ class TwExchange(BaseTwExchange):
         if negative.numel():
             feature = int(negative[0, 0]) // batch
             return Header(Status.BAD_LENGTHS, batch, 0, False, (feature,))
-        per_key = lengths.view(len(self._features), batch).sum(1)
+        per_key = lengths.view(len(self._num_rows), batch).sum(1)
         if int(per_key.sum()) != kjt.values().numel():
             return Header(Status.BAD_LENGTHS, batch, 0, False, (-1,))
         values = kjt.values()
@@ -94,11 +101,18 @@ class TwExchange(BaseTwExchange):
             )
         return ok
 
+    def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with each owner's features contiguous, owner by owner (table-wise:
+        already so, as TorchRec orders the sharding's features by rank)."""
+        return kjt
+
     def send_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Puts this rank's ids for the next step into every owner's slot."""
         self._check_keys(kjt.keys())
+        header = self._check(kjt, kjt.lengths())
+        if header.status == Status.OK:
+            kjt = self._by_owner(kjt)
         lengths = kjt.lengths().to(torch.int32)
-        header = self._check(kjt, lengths)
         batch = header.batch_size
         counts = [len(f) for f in self._features_per_rank]
         if header.status == Status.OK:
@@ -118,8 +132,8 @@ class TwExchange(BaseTwExchange):
         ok = header.status == Status.OK
         values = kjt.values().to(torch.int64)
         weights = kjt.weights_or_none()
-        lengths_by_owner = lengths.split([c * batch for c in counts])
-        ids_by_owner = values.split(ids_per_owner) if ok else [values[:0]] * len(counts)
+        lengths_by_owner = lengths.split([c * batch for c in counts]) if ok else []
+        ids_by_owner = values.split(ids_per_owner) if ok else []
         weights_by_owner = (
             weights.split(ids_per_owner) if ok and weights is not None else [None] * len(counts)
         )
@@ -161,7 +175,7 @@ class TwExchange(BaseTwExchange):
                     weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
             box.release(source, step)
         errors = [
-            describe(s, h, self._features, layout)
+            describe(s, h, self._input_features, layout)
             for s, h in enumerate(headers)
             if h.status != Status.OK
         ]
@@ -183,7 +197,10 @@ class TwExchange(BaseTwExchange):
             else None,
             stride=sum(h.batch_size for h in headers),
         )
-        return attach_route(kjt, Route([h.batch_size for h in headers]))
+        return attach_route(kjt, self._route([h.batch_size for h in headers]))
+
+    def _route(self, batch_sizes: List[int]) -> Route:
+        return Route(batch_sizes)
 
     # ---------------------------------------------------------- pooled forward
 

@@ -1,0 +1,143 @@
+"""pgas_row_wise through DistributedModelParallel on real gloo process groups, against
+a float64 reference, the unsharded module's training, and TorchRec's row_wise
+checkpoints."""
+
+import functools
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, PoolingType
+from torchrec.distributed.sharding_plan import row_wise
+
+from dist_utils import assert_close_to_reference, make_tables, random_kjt, reference_pooled, run_ranks, shard
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.sharding_plan import pgas_row_wise
+from torchrec_pgas.testing import gather_unsharded_state_dict
+
+
+def _placement(tables, generator):
+    return {t.name: generator(compute_kernel="fused") for t in tables}
+
+
+def _forward(rank, world_size, pooling, weighted, batch_sizes):
+    for seed in range(3):
+        tables = make_tables(3, seed, pooling)
+        torch.manual_seed(seed)
+        ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+        model = shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
+        for step in range(3):
+            kjt = random_kjt(tables, batch_sizes[rank], 100 * seed + 10 * step + rank, weighted)
+            with torch.no_grad() if step == 1 else torch.enable_grad():
+                out = model(kjt).to_dict()
+            assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt))
+
+
+@pytest.mark.parametrize(
+    "world_size,pooling,weighted,batch_sizes",
+    [
+        (2, PoolingType.SUM, False, [5, 2]),
+        (2, PoolingType.MEAN, False, [3, 6]),
+        (3, PoolingType.SUM, True, [4, 1, 3]),
+        (3, PoolingType.MEAN, True, [2, 5, 4]),
+    ],
+    ids=["w2-sum", "w2-mean", "w3-weighted", "w3-mean-weighted"],
+)
+def test_forward_matches_the_float64_reference(world_size, pooling, weighted, batch_sizes):
+    run_ranks(_forward, world_size, pooling=pooling, weighted=weighted, batch_sizes=batch_sizes)
+
+
+def _train(rank, world_size, pooling):
+    """EXACT_SGD on pgas_row_wise against plain SGD on the unsharded module, fed every
+    rank's batch: the same update up to float rounding."""
+    lr = 0.1
+    tables = make_tables(3, seed=9, pooling=pooling)
+    torch.manual_seed(9)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr})
+    model = shard(ref, _placement(tables, pgas_row_wise), world_size, sharder)
+    oracle = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    oracle.load_state_dict(ref.state_dict())
+    for step in range(4):
+        kjts = [random_kjt(tables, 3 + r, seed=1000 * step + r) for r in range(world_size)]
+        g = torch.Generator().manual_seed(step)
+        targets = {f"f{i}": torch.randn(10, t.embedding_dim, generator=g) for i, t in enumerate(tables)}
+        kt = model(kjts[rank]).to_dict()
+        sum((kt[k] * targets[k][: kt[k].size(0)]).sum() for k in kt).backward()
+        oracle.zero_grad()
+        for r, kjt in enumerate(kjts):  # TorchRec divides by the world size, as DDP does
+            okt = oracle(kjt).to_dict()
+            (sum((okt[k] * targets[k][: okt[k].size(0)]).sum() for k in okt) / world_size).backward()
+        with torch.no_grad():
+            for p in oracle.parameters():
+                p -= lr * p.grad
+    trained = gather_unsharded_state_dict(model, ref.state_dict(), prefix="ebc.")
+    for name, w in oracle.state_dict().items():
+        torch.testing.assert_close(trained[name], w, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(trained[name], ref.state_dict()[name]), f"{name} was not trained"
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_training_matches_sgd_on_the_unsharded_module(pooling):
+    run_ranks(_train, 2, pooling=pooling)
+
+
+def _checkpoint(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    tables = make_tables(3, seed=4)
+    torch.manual_seed(4)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder()
+    pgas = shard(ref, _placement(tables, pgas_row_wise), world_size, sharder)
+    dcp.save(pgas.state_dict(), checkpoint_id=f"{path}/pgas")
+    torch.manual_seed(5)
+    other = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    rw = shard(other, _placement(tables, functools.partial(row_wise)), world_size, sharder)
+    state = rw.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/pgas")
+    rw.load_state_dict(state)
+    restored = gather_unsharded_state_dict(rw, ref.state_dict(), prefix="ebc.")
+    for name, w in ref.state_dict().items():
+        assert torch.equal(restored[name], w), name
+
+
+def test_state_dict_loads_into_torchrec_row_wise(tmp_path):
+    run_ranks(_checkpoint, 2, path=str(tmp_path))
+
+
+def _mixed_plan(rank, world_size):
+    """One model mixing pgas_row_wise, pgas_table_wise and TorchRec's table_wise, placed
+    by the stock planner from constraints, run by DMP without sharders."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    import torchrec_pgas
+    from dist_utils import Wrapper
+    from torchrec_pgas.testing import load_unsharded_state_dict
+
+    torchrec_pgas.register()
+    try:
+        tables = make_tables(4, seed=13, pooling=PoolingType.MEAN)
+        torch.manual_seed(13)
+        ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        wanted = {"t0": "pgas_row_wise", "t1": "pgas_table_wise", "t2": "table_wise", "t3": "pgas_row_wise"}
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device="cpu"),
+            constraints={t: ParameterConstraints(sharding_types=[s]) for t, s in wanted.items()},
+        )
+        model = Wrapper(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+        plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
+        assert {t: ps.sharding_type for t, ps in plan.plan["ebc"].items()} == wanted
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=None)
+        load_unsharded_state_dict(dmp, ref.state_dict(), prefix="ebc.")
+        for step in range(3):
+            kjt = random_kjt(tables, 2 + rank + step, seed=10 * step + rank)
+            assert_close_to_reference(dmp(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+    finally:
+        torchrec_pgas.unregister()
+
+
+def test_stock_planner_mixes_row_wise_table_wise_and_torchrec_types():
+    run_ranks(_mixed_plan, 2)

@@ -1,0 +1,138 @@
+"""The input and output dists and the lookup of the PGAS sharding types.
+
+They are the same for every PGAS sharding type: what differs (which owner gets which
+ids, how pooled rows come back) is the exchange they are given (``tw_exchange``,
+``rw_exchange``, ``tw_device_exchange``), which implements ``send_ids``, ``recv_ids``,
+``exchange_pooled`` and ``exchange_grads``.
+"""
+
+from typing import Any, Optional, TypeVar
+
+import torch
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.embedding_lookup import (
+    GroupedPooledEmbeddingsLookup,
+    embeddings_cat_empty_rank_handle,
+)
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingShardingContext,
+)
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.tw_base import attach_route, route_of
+
+T = TypeVar("T")
+
+
+class _Done(Awaitable[T]):
+    """An awaitable whose value is already known."""
+
+    def __init__(self, value: T) -> None:
+        super().__init__()
+        self._value = value
+
+    def _wait_impl(self) -> T:
+        return self._value
+
+
+class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
+    """Waits for every source's ids of the step and forms the lookup's KJT."""
+
+    def __init__(self, exchange: Any) -> None:
+        super().__init__()
+        self._exchange = exchange
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        return self._exchange.recv_ids()
+
+
+class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Puts each owner's features into its per-source slot; no splits exchange."""
+
+    def __init__(self, exchange: Any) -> None:
+        super().__init__()
+        self._exchange = exchange
+
+    def forward(
+        self, sparse_features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        self._exchange.send_ids(sparse_features)
+        return _Done(_ReceiveIds(self._exchange))
+
+
+class _ExchangePooled(torch.autograd.Function):
+    """Forward puts pooled rows to their requesters; backward puts the gradient
+    blocks back to their owners."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local_embs: torch.Tensor,
+        anchor: torch.Tensor,
+        exchange: Any,
+        route: Any,
+    ) -> torch.Tensor:
+        ctx.exchange, ctx.route, ctx.shape = exchange, route, local_embs.shape
+        return exchange.exchange_pooled(local_embs, route)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape)
+        if get_gradient_division():
+            # TorchRec's all-to-all backward averages over ranks, the way DDP does for
+            # dense parameters; match it so that training is identical.
+            grad.div_(ctx.exchange.world_size)
+        return grad, None, None, None
+
+
+class PgasPooledEmbeddingDist(
+    BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]
+):
+    """Puts pooled rows (or partial sums) to the requesters; returns this rank's
+    pooled embeddings, ``[batch, sum of dims]``."""
+
+    def __init__(self, exchange: Any, name: str) -> None:
+        super().__init__()
+        self._exchange = exchange
+        self._name = name
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: Optional[EmbeddingShardingContext] = None,
+    ) -> Awaitable[torch.Tensor]:
+        route = route_of(local_embs, self._name)
+        if not torch.is_grad_enabled():
+            out = self._exchange.exchange_pooled(local_embs, route)
+        else:
+            # Every rank must run the backward exchange, also a rank whose own lookup
+            # has nothing to differentiate (it owns no table): the anchor makes the
+            # output require grad everywhere.
+            anchor = torch.empty(0, requires_grad=True)
+            out = _ExchangePooled.apply(local_embs, anchor, self._exchange, route)
+        divisor = getattr(route, "divisor", None)
+        # Mean pooling of partial sums (row-wise) is only known once they are summed.
+        return _Done(out / divisor if divisor is not None else out)
+
+
+class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's lookup (same modules, parameters and state), which also takes the
+    GPU exchange's fixed-shape ``LookupBatch`` of already-split groups and passes the
+    batch's route on to the output dist."""
+
+    def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pgas_name = name
+
+    def forward(self, sparse_features: Any) -> torch.Tensor:
+        groups = getattr(sparse_features, "groups", None)
+        if groups is None:
+            out = super().forward(sparse_features)
+        else:
+            out = embeddings_cat_empty_rank_handle(
+                self._forward(groups), self._dummy_embs_tensor, dim=1
+            )
+        return attach_route(out, route_of(sparse_features, self._pgas_name))
