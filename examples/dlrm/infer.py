@@ -79,8 +79,11 @@ def main() -> None:
             print(f"{sharding:<18}{statistics.median(times):>9.3f}{p99:>9.3f}{rate:>12,.0f}")
         first = predictions[shardings[0]]
         for other in shardings[1:]:
-            same = all(torch.equal(a, b) for a, b in zip(first, predictions[other]))
-            print(f"predictions of {shardings[0]} and {other} identical: {same}")
+            # Table-wise shardings pool the same way and agree bit for bit; row-wise
+            # ones add partial sums, so they agree up to float rounding.
+            diff = max(float((a - b).abs().max()) for a, b in zip(first, predictions[other]))
+            verdict = "identical" if diff == 0 else f"differ by at most {diff:.2e}"
+            print(f"predictions of {shardings[0]} and {other}: {verdict}")
     dist.destroy_process_group()
 
 
