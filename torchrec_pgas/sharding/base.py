@@ -1,0 +1,98 @@
+"""What the PGAS ``EmbeddingSharding`` subclasses share: options, dists and lookup.
+
+A PGAS sharding is a TorchRec sharding (placement, lookup, state) whose input and
+output dists are ``dists.py``'s, driven by an exchange the subclass builds on first
+use in ``_make_exchange``.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.dists import (
+    PgasGroupedPooledEmbeddingsLookup,
+    PgasPooledEmbeddingDist,
+    PgasSparseFeaturesDist,
+)
+from torchrec_pgas.types import PgasOptions
+
+
+def output_dtype(sharding_infos: List[EmbeddingShardingInfo]) -> torch.dtype:
+    """The pooled embeddings' dtype (TorchRec's ``output_dtype`` fused parameter)."""
+    fused = sharding_infos[0].fused_params or {}
+    dtype = fused.get("output_dtype")
+    return dtype.as_dtype() if dtype is not None else torch.float32
+
+
+class PgasShardingMixin:
+    """Put first in the bases of a TorchRec ``EmbeddingSharding`` subclass.
+
+    Args:
+        sharding_infos: the tables of this sharding type, as TorchRec passes them.
+        env: the sharding environment (process group, rank, world size).
+        device: where the lookup runs (CPU: the host transport).
+        options: run-time options (timeouts, capacity headroom, transport).
+    """
+
+    #: The sharding type's name, for messages and routes.
+    pgas_name: str
+    #: What TorchRec's lookup is told the sharding type is (it picks pooling modes by it).
+    lookup_sharding_type: Optional[ShardingType] = None
+
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        options: Optional[PgasOptions] = None,
+    ) -> None:
+        super().__init__(sharding_infos, env, device)  # type: ignore[call-arg]
+        self._options = options or PgasOptions()
+        self._out_dtype = output_dtype(sharding_infos)
+        self._exchange: Any = None
+
+    def _make_exchange(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def _get_exchange(self, device: Optional[torch.device]) -> Any:
+        # Created on first use, collectively: every rank builds its dists in the
+        # same order.
+        if self._exchange is None:
+            self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
+        return self._exchange
+
+    def create_input_dist(
+        self, device: Optional[torch.device] = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        return PgasSparseFeaturesDist(self._get_exchange(device))
+
+    def create_output_dist(
+        self, device: Optional[torch.device] = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        return PgasPooledEmbeddingDist(self._get_exchange(device), self.pgas_name)
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> PgasGroupedPooledEmbeddingsLookup:
+        kwargs = {"sharding_type": self.lookup_sharding_type} if self.lookup_sharding_type else {}
+        return PgasGroupedPooledEmbeddingsLookup(
+            name=self.pgas_name,
+            grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
+            pg=self._pg,  # type: ignore[attr-defined]
+            device=device if device is not None else self._device,  # type: ignore[attr-defined]
+            feature_processor=feature_processor,
+            env=self._env,  # type: ignore[attr-defined]
+            **kwargs,
+        )
