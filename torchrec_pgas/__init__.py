@@ -8,18 +8,22 @@ entry point ``pgas``).
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from torchrec_pgas.types import PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 if TYPE_CHECKING:
     from torchrec_pgas.planner.registration import is_registered, register, unregister
     from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+    from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
 
 __all__ = [
+    "PGAS_ROW_WISE",
     "PGAS_SHARDING_TYPES",
     "PGAS_TABLE_WISE",
     "PgasEmbeddingBagCollectionSharder",
     "PgasOptions",
     "is_registered",
+    "pgas_row_wise",
+    "pgas_table_wise",
     "register",
     "unregister",
 ]
@@ -28,6 +32,8 @@ __all__ = [
 _LAZY = {
     "PgasEmbeddingBagCollectionSharder": "torchrec_pgas.sharder",
     "is_registered": "torchrec_pgas.planner.registration",
+    "pgas_row_wise": "torchrec_pgas.sharding_plan",
+    "pgas_table_wise": "torchrec_pgas.sharding_plan",
     "register": "torchrec_pgas.planner.registration",
     "unregister": "torchrec_pgas.planner.registration",
 }

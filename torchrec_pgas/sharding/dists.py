@@ -82,8 +82,8 @@ class _ExchangePooled(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape)
         if get_gradient_division():
-            # TorchRec's all-to-all backward averages over ranks, the way DDP does for
-            # dense parameters; match it so that training is identical.
+            # TorchRec's collectives average embedding gradients over ranks in
+            # backward, the way DDP does for dense parameters; match it.
             grad.div_(ctx.exchange.world_size)
         return grad, None, None, None
 
