@@ -28,6 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=20_000, help="rows per table (ids are hashed into them)")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
 
 
 def feature_names(args: argparse.Namespace) -> List[str]:
@@ -61,6 +62,7 @@ def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> Dist
     """The DLRM sharded with ``sharding``, embedding tables trained by a fused
     row-wise Adagrad (applied in backward, as TorchRec recommends)."""
     torchrec_pgas.register()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and every run
     model = build(args, torch.device("meta"))
     ebc = model.model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.lr})
