@@ -91,7 +91,8 @@ def _serve(rank, port, inbox, outbox):
             outbox.put((rank, None))
         except Exception:
             outbox.put((rank, traceback.format_exc()))
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)  # as dist_utils: no teardown race between the ranks' gloo groups
 
 
 class _RankPool:
