@@ -1,6 +1,7 @@
 """One-sided transports: the interface, the host (shared memory) implementation, and
 the mailbox protocol that the sharding types build on."""
 
+import atexit
 from typing import Dict, Tuple
 
 import torch
@@ -29,6 +30,16 @@ __all__ = [
 ]
 
 _TRANSPORTS: Dict[Tuple[int, str, float], Tuple[dist.ProcessGroup, Transport]] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    """Closes every transport while the interpreter is still whole. The cache holds
+    process groups: were they left to interpreter finalization, gloo would tear its
+    worker threads down then and abort the process."""
+    for _, transport in _TRANSPORTS.values():
+        transport.close()
+    _TRANSPORTS.clear()
 
 
 def _resolve_kind(device: torch.device, options: PgasOptions) -> str:

@@ -13,7 +13,6 @@ writer's unlock is a release and the reader's lock an acquire, so every byte put
 a signal is visible to whoever has read that signal, on x86 (TSO) and on Arm alike.
 """
 
-import atexit
 import ctypes
 import ctypes.util
 import mmap
@@ -108,7 +107,6 @@ class HostTransport(Transport):
         self._count = 0
         self._unlinked_pending: Set[str] = set()
         sweep_stale_segments()
-        atexit.register(self.close)
 
     def _path(self, n: int, rank: int, pid: int) -> str:
         return os.path.join(_SHM_DIR, f"{_PREFIX}.{self._job}.{n}.r{rank}.p{pid}")
@@ -222,11 +220,12 @@ class HostTransport(Transport):
         dist.barrier(group=self.group)
 
     def close(self) -> None:
-        """Removes files of an allocation a crash interrupted; mappings go with their
-        buffers."""
+        """Removes files of an allocation an error interrupted (mappings go with their
+        buffers) and lets go of the process group."""
         for path in list(self._unlinked_pending):
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
         self._unlinked_pending.clear()
+        self.group = None  # type: ignore[assignment]

@@ -7,7 +7,6 @@ A wait that times out on the device leaves an error record that ``check`` turns 
 a ``PgasTimeoutError`` on the host.
 """
 
-import atexit
 import logging
 from typing import Dict, List, Optional
 
@@ -117,7 +116,6 @@ class NvshmemTransport(Transport):
         self._scratch_bytes = self._tensor((8,), torch.uint8)
         self._check_peer_access()
         self._closed = False
-        atexit.register(self.close)
 
     def _tensor(self, shape, dtype) -> torch.Tensor:
         t = self._nvshmem.tensor(shape, dtype=dtype)
@@ -229,3 +227,4 @@ class NvshmemTransport(Transport):
             self._nvshmem.finalize()
         except Exception as e:  # at interpreter exit peers may be gone already
             logger.warning("NVSHMEM finalize failed: %s", e)
+        self.group = None  # type: ignore[assignment]
