@@ -294,3 +294,19 @@ def test_entry_point_resolves_to_register() -> None:
         value = entry_point.value
     module_name, attr = value.split(":")
     assert getattr(importlib.import_module(module_name), attr) is registration.register
+
+
+def test_sharder_offers_pgas_row_wise_on_cpu_only_until_its_gpu_path_exists():
+    from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+
+    sharder = PgasEmbeddingBagCollectionSharder()
+    assert {"pgas_table_wise", "pgas_row_wise"} <= set(sharder.sharding_types("cpu"))
+    assert "pgas_table_wise" in sharder.sharding_types("cuda")
+    assert "pgas_row_wise" not in sharder.sharding_types("cuda")
+
+
+def test_pgas_row_wise_is_laid_out_like_row_wise():
+    from torchrec_pgas.planner.layout import PGAS_LAYOUTS, torchrec_layout
+
+    assert torchrec_layout("pgas_row_wise") == "row_wise"
+    assert PGAS_LAYOUTS["pgas_row_wise"].abbreviation == "PRW"
