@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-_HEADER_WORDS = 8
+HEADER_WORDS = 8
 
 
 class Status(IntEnum):
@@ -49,12 +49,12 @@ class Header:
 
     def encode(self) -> torch.Tensor:
         words = [int(self.status), self.batch_size, self.num_ids, int(self.has_weights)]
-        words += list(self.detail) + [0] * (_HEADER_WORDS - 4 - len(self.detail))
+        words += list(self.detail) + [0] * (HEADER_WORDS - 4 - len(self.detail))
         return torch.tensor(words, dtype=torch.int64)
 
     @staticmethod
-    def decode(words: torch.Tensor) -> "Header":
-        w = words.tolist()
+    def decode(words: "torch.Tensor | Sequence[int]") -> "Header":
+        w = words.tolist() if isinstance(words, torch.Tensor) else list(words)
         return Header(Status(w[0]), w[1], w[2], bool(w[3]), tuple(w[4:7]))
 
 
@@ -83,7 +83,7 @@ class IdsSlotLayout:
 
     @property
     def lengths_offset(self) -> int:
-        return _HEADER_WORDS * 8
+        return HEADER_WORDS * 8
 
     @property
     def ids_offset(self) -> int:

@@ -5,7 +5,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import PgasError, Transport
 
 
@@ -75,6 +75,18 @@ class BaseTwExchange:
                 f"{self._name}: rank {self._t.rank} got features {list(keys)}, "
                 f"the plan expects {expected}"
             )
+
+    def _raise_for_bad_headers(self, headers: Sequence[Header], step: int) -> None:
+        """Raises, naming every source that sent a bad batch; the same on every rank,
+        since every rank got the same headers."""
+        assert self._layout is not None
+        errors = [
+            describe(source, h, self._input_features, self._layout)
+            for source, h in enumerate(headers)
+            if h.status != Status.OK
+        ]
+        if errors:
+            raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
 
     @staticmethod
     def _dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:

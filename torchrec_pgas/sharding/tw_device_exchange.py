@@ -35,12 +35,11 @@ from torchrec_pgas.kernels.put_signal import put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
-from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
-_HEADER_WORDS = 8
 _WAIT_DATA = WAIT_DATA.value
 
 
@@ -159,7 +158,7 @@ class DeviceTwExchange(BaseTwExchange):
         sent_batch = batch if batch <= layout.batch_capacity else 0
         self._my_batches.append(sent_batch)
         world = self._t.world_size
-        header = torch.zeros(world, _HEADER_WORDS, dtype=torch.int64, device=self._dev)
+        header = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         header[:, 0] = status
         header[:, 1] = sent_batch
         header[:, 2] = torch.where(ok, ids_per_owner, 0)
@@ -236,7 +235,7 @@ class DeviceTwExchange(BaseTwExchange):
         signal_wait(self._ids_ready, self._all, step, self._t.err, _WAIT_DATA, self._t.timeout_ns)
         base = self._ids_slot_offset(0, step)
         slots = self._ids[base : base + world * layout.nbytes].view(world, layout.nbytes)
-        headers = slots[:, : 8 * _HEADER_WORDS].view(torch.int64).clone()
+        headers = slots[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
         features = self._features_per_rank[self._me]
         nf = len(features)
         groups: List[KeyedJaggedTensor] = []
@@ -327,19 +326,14 @@ class DeviceTwExchange(BaseTwExchange):
 
     def _check(self, headers: torch.Tensor) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""
-        record = torch.cat([headers[:, :7].reshape(-1), self._t.err]).tolist()
-        err = record[-4:]
-        if err[0]:
+        record = torch.cat([headers.reshape(-1), self._t.err]).tolist()
+        if record[-4]:  # the error record's code word
             self._t.check(self._name)
-        assert self._layout is not None
-        errors = []
-        for source in range(self._t.world_size):
-            w = record[7 * source : 7 * source + 7]
-            if w[0] != Status.OK:
-                h = Header(Status(w[0]), w[1], w[2], bool(w[3]), tuple(w[4:7]))
-                errors.append(describe(source, h, self._input_features, self._layout))
-        if errors:
-            raise PgasInputError(f"{self._name} step {self._out_step}: " + "; ".join(errors))
+        n = HEADER_WORDS
+        self._raise_for_bad_headers(
+            [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)],
+            self._out_step,
+        )
 
     # ---------------------------------------------------------------- backward
 

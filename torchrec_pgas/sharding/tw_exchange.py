@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
+from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport import Mailbox
 
@@ -174,13 +174,7 @@ class TwExchange(BaseTwExchange):
                 if h.has_weights:
                     weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
             box.release(source, step)
-        errors = [
-            describe(s, h, self._input_features, layout)
-            for s, h in enumerate(headers)
-            if h.status != Status.OK
-        ]
-        if errors:
-            raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
+        self._raise_for_bad_headers(headers, step)
         has_weights = {h.has_weights for h in headers}
         if len(has_weights) > 1:
             raise PgasInputError(

@@ -8,7 +8,7 @@ a ``PgasTimeoutError`` on the host.
 """
 
 import logging
-from typing import Dict, List, Optional
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ def _cuda_core_device(index: int):
     return Device(index)
 
 
-_REGISTERED: Dict[int, bool] = {}
+_REGISTERED: Set[int] = set()
 
 
 def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
@@ -64,7 +64,7 @@ def _register_module(module, function, name, metadata_group, hash) -> None:  # n
         return
     nvshmem, kernel_object = _import_nvshmem()
     nvshmem.module_init(kernel_object.from_handle(module))
-    _REGISTERED[module] = True
+    _REGISTERED.add(module)
 
 
 class NvshmemTransport(Transport):
