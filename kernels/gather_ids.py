@@ -1,57 +1,74 @@
-"""Gathers the ids (and weights) of every source's slot into one lookup batch.
+"""Gathers the ids (and weights) of every source's slot into one lookup group's batch.
 
-The owner's lookup pools a batch laid out feature-major, then source, then sample:
-bag ``(f, s, b)`` is bag ``(f * S + s) * batch_capacity + b`` and its ids start at
-``offsets`` of that bag. Program ``(f, s)`` copies the ids of feature ``f`` of source
-``s`` from that source's slot into place.
+The bags are laid out as ``bag_lengths`` says; ``offsets`` are the whole batch's.
+A lookup group holds features ``[first_feature, first_feature + F)``; its index
+tensor starts at the first of its bags. Program ``(f, s, c)`` copies share ``c`` of
+``SPLIT`` of the ids of feature ``first_feature + f`` of source ``s``, so the copy
+uses the whole GPU however few features and sources there are.
 
 Buffers:
-    slots:        uint8, this step's generation of the ids mailbox: S slots of
-                  ``slot_bytes``, ids (int64) at ``ids_offset`` and weights (float32)
-                  at ``weights_offset`` of each slot
-    slot_starts:  int64 [S, F]  where feature f's ids start among source s's ids
-    counts:       int64 [F, S]  how many ids feature f of source s has
-    offsets:      int64 [F * S * batch_capacity + 1]  the lookup's bag offsets
-    indices:      int64 [capacity]   out
-    weights:      float32 [capacity] out (only with HAS_WEIGHTS)
+    slots:     uint8, this step's generation of the ids mailbox: S slots of
+               ``slot_bytes``, ids (int64) at ``ids_offset`` and weights (float32) at
+               ``weights_offset`` of each slot, feature-major
+    offsets:   int64 [num_features * S * batch_capacity + 1]  the batch's bag offsets
+    indices:   int64 [>= the group's ids]   out
+    weights:   float32 [>= the group's ids] out (only with HAS_WEIGHTS)
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+
 BLOCK = 1024
+SPLIT = 32
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["slot_bytes", "ids_offset", "weights_offset", "batch_capacity"])
+@triton.jit(
+    do_not_specialize=[
+        "first_feature", "num_sources", "batch_capacity", "slot_bytes", "ids_offset", "weights_offset"
+    ]
+)
 def gather_ids_kernel(
     slots_ptr,
-    slot_starts_ptr,
-    counts_ptr,
     offsets_ptr,
     indices_ptr,
     weights_ptr,
+    first_feature,
+    num_sources,
+    batch_capacity,
     slot_bytes,
     ids_offset,
     weights_offset,
-    batch_capacity,
-    S: tl.constexpr,
-    F: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    f = tl.program_id(0)
+    f = first_feature + tl.program_id(0)
     s = tl.program_id(1)
-    n = tl.load(counts_ptr + f * S + s)
-    first = tl.load(slot_starts_ptr + s * F + f)
-    dst = tl.load(offsets_ptr + (f * S + s).to(tl.int64) * batch_capacity)
+    c = tl.program_id(2)
+    S = num_sources
+    bag = (f * S + s).to(tl.int64) * batch_capacity
+    start = tl.load(offsets_ptr + bag)
+    n = tl.load(offsets_ptr + bag + batch_capacity) - start
+    # A slot holds its source's ids feature-major: feature f's come after the earlier
+    # features' of that source.
+    first = start - start
+    for g in range(0, f):
+        g_bag = (g * S + s).to(tl.int64) * batch_capacity
+        first += tl.load(offsets_ptr + g_bag + batch_capacity) - tl.load(offsets_ptr + g_bag)
+    dst = start - tl.load(offsets_ptr + first_feature.to(tl.int64) * S * batch_capacity)
+    share = tl.cdiv(n, SPLIT)
+    lo = c * share
+    hi = tl.minimum(lo + share, n)
     slot = slots_ptr + s.to(tl.int64) * slot_bytes
     ids = (slot + ids_offset).to(tl.pointer_type(tl.int64), bitcast=True) + first
     w = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + first
-    for i in range(0, n, BLOCK):
+    for i in range(lo, hi, BLOCK):
         k = i + tl.arange(0, BLOCK)
-        mask = k < n
+        mask = k < hi
         tl.store(indices_ptr + dst + k, tl.load(ids + k, mask=mask), mask=mask)
         if HAS_WEIGHTS:
             tl.store(weights_ptr + dst + k, tl.load(w + k, mask=mask), mask=mask)
@@ -59,23 +76,21 @@ def gather_ids_kernel(
 
 def gather_ids(
     slots: torch.Tensor,
-    slot_starts: torch.Tensor,
-    counts: torch.Tensor,
     offsets: torch.Tensor,
     indices: torch.Tensor,
     weights: torch.Tensor,
-    slot_bytes: int,
-    ids_offset: int,
-    weights_offset: int,
-    batch_capacity: int,
+    first_feature: int,
+    num_features: int,
+    layout: IdsSlotLayout,
     has_weights: bool,
 ) -> None:
-    """Launches one program per (feature, source) (see the module docstring)."""
-    F, S = counts.shape
-    if F == 0 or S == 0:
+    """Launches ``(num_features, S, SPLIT)`` programs (see the module docstring)."""
+    S = slots.numel() // layout.nbytes
+    if num_features == 0 or S == 0:
         return
-    gather_ids_kernel[(F, S)](
-        slots, slot_starts, counts, offsets, indices, weights,
-        slot_bytes, ids_offset, weights_offset, batch_capacity,
-        S=S, F=F, HAS_WEIGHTS=has_weights, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    gather_ids_kernel[(num_features, S, SPLIT)](
+        slots, offsets, indices, weights,
+        first_feature, S, layout.batch_capacity, layout.nbytes, layout.ids_offset,
+        layout.weights_offset, HAS_WEIGHTS=has_weights, SPLIT=SPLIT, BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
     )

@@ -1,14 +1,19 @@
-"""Puts up to ``NCHUNK`` contiguous byte ranges into each peer's symmetric buffer, then
-sets the peer's ready signal for this rank to the step number.
+"""Puts up to ``NCHUNK`` contiguous byte ranges into each peer's symmetric buffer and
+counts them in with the peer's ready signal for this rank.
 
-One program per destination. The program first waits until the destination has
-released the slot this step reuses (flow control), puts every chunk with
-``nvshmemx_putmem_nbi_block``, orders them with ``nvshmem_fence`` and then sets the
-signal, so the destination sees the data before the signal. With ``NCHUNK=0`` it is a
-pure signal (a slot release).
+``PROGRAMS_PER_PEER`` programs serve each destination, each putting its share of
+every chunk with ``nvshmemx_putmem_nbi_block``; the last chunk's share goes with
+``nvshmemx_putmem_signal_nbi_block``, which adds one to the destination's ready signal
+once the program's data has landed. A destination therefore knows a step has fully
+arrived when the signal reaches ``arrived(step)``: no sizes are exchanged, and one
+slow block cannot be mistaken for a finished step.
+
+Before writing, each program waits until the destination has released the slot this
+step reuses (flow control). With ``NCHUNK=0`` the kernel is a pure release: one program
+per peer sets the peer's signal for this rank to ``step``.
 
 Buffers:
-    peers:   int32 [P]             destination rank of program p
+    peers:   int32 [P]             destination rank of program row p
     chunks:  int64 [P, NCHUNK, 3]  per chunk: destination byte offset in ``dst_base``'s
                                    buffer, source address, number of bytes (device
                                    computed, so no size ever crosses to the host)
@@ -24,6 +29,9 @@ import triton.language as tl
 from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, wait_ge
 
+PROGRAMS_PER_PEER = 32
+#: Shares start at multiples of this many bytes, so the block copies stay vectorized.
+ALIGN = 16
 NUM_WARPS = 4
 
 
@@ -41,20 +49,42 @@ def put_signal_kernel(
     free_target,
     timeout_ns,
     NCHUNK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     p = tl.program_id(0)
+    j = tl.program_id(1)
     peer = tl.load(peers_ptr + p)
+    sig = ready_base + me.to(tl.int64) * 8
     ok = True
     if free_target > 0:
         ok = wait_ge(free_ptr + peer, free_target, timeout_ns, err_ptr, peer, WAIT_SLOT_FREE)
     if ok:
+        if NCHUNK == 0:
+            nv.fence()
+            nv.signal_op(sig, step.to(tl.uint64), nv.SIGNAL_SET, peer)
         for c in tl.static_range(NCHUNK):
             row = chunks_ptr + (p * NCHUNK + c) * 3
             nbytes = tl.load(row + 2)
-            if nbytes > 0:
-                nv.putmem_nbi_block(dst_base + tl.load(row), tl.load(row + 1), nbytes, peer)
-        nv.fence()
-        nv.signal_op(ready_base + me.to(tl.int64) * 8, step.to(tl.uint64), nv.SIGNAL_SET, peer)
+            share = tl.cdiv(tl.cdiv(nbytes, PROGRAMS), ALIGN) * ALIGN
+            start = tl.minimum(j * share, nbytes)
+            size = tl.minimum(share, nbytes - start)
+            dst = dst_base + tl.load(row) + start
+            src = tl.load(row + 1) + start
+            if c < NCHUNK - 1:
+                if size > 0:
+                    nv.putmem_nbi_block(dst, src, size, peer)
+            else:
+                # Orders this program's earlier chunks before the signal.
+                nv.fence()
+                one = tl.full((), 1, tl.uint64)
+                nv.putmem_signal_nbi_block(dst, src, size, sig, one, nv.SIGNAL_ADD, peer)
+
+
+def arrived(step: int) -> int:
+    """The value of a ready signal once every program of ``step`` (and of the steps
+    before it) has put its data."""
+    return PROGRAMS_PER_PEER * step
 
 
 def put_signal(
@@ -69,10 +99,13 @@ def put_signal(
     free_target: int,
     timeout_ns: int,
 ) -> None:
-    """Launches one program per entry of ``peers`` (see the module docstring)."""
+    """Launches ``(P, PROGRAMS_PER_PEER)`` programs, or ``(P, 1)`` for a pure release
+    (see the module docstring)."""
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
-    put_signal_kernel[(peers.numel(),)](
+    grid = (peers.numel(), PROGRAMS_PER_PEER if nchunk else 1)
+    put_signal_kernel[grid](
         peers, chunks, dst.data_ptr(), ready.data_ptr(), free, err,
-        me, step, free_target, timeout_ns, NCHUNK=nchunk, num_warps=NUM_WARPS,
+        me, step, free_target, timeout_ns,
+        NCHUNK=nchunk, PROGRAMS=PROGRAMS_PER_PEER, ALIGN=ALIGN, num_warps=NUM_WARPS,
         extern_libs=nv.bitcode_libs(),
     )

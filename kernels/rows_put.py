@@ -10,7 +10,8 @@ for its counter to reach the running total.
 
 Buffers:
     src:       [S * batch_capacity, dim] pooled rows, requester-major
-    batch:     int64 [S]  batch size of each requester (from its ids header)
+    batch:     int64 [S]  batch size of each requester (from its ids header), every
+                          ``batch_stride`` words
     out_addrs: int64 [S]  address of each requester's output slot of this step,
                           rows of ``pitch`` elements, through the peer mapping
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
@@ -29,10 +30,11 @@ BLOCK_D = 128
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["batch_capacity", "dim", "pitch", "col", "free_target", "timeout_ns"])
+@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "dim", "pitch", "col", "free_target", "timeout_ns"])
 def rows_put_kernel(
     src_ptr,
     batch_ptr,
+    batch_stride,
     out_addrs_ptr,
     cnt_addrs_ptr,
     free_ptr,
@@ -48,7 +50,7 @@ def rows_put_kernel(
 ):
     s = tl.program_id(0)
     blk = tl.program_id(1)
-    batch = tl.load(batch_ptr + s)
+    batch = tl.load(batch_ptr + s * batch_stride)
     if blk * BLOCK_B < batch:
         ok = True
         if free_target > 0:
@@ -87,7 +89,7 @@ def rows_put(
     S, dim = batch.numel(), src.size(1)
     grid = (S, triton.cdiv(batch_capacity, BLOCK_B))
     rows_put_kernel[grid](
-        src, batch, out_addrs, cnt_addrs, free, err,
+        src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
         batch_capacity, dim, pitch, col, free_target, timeout_ns,
         BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
     )

@@ -2,7 +2,7 @@
 
 import copy
 import os
-import socket
+import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -17,21 +17,15 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec_pgas.testing import load_unsharded_state_dict
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(
-    rank: int, fn: Callable, world_size: int, port: int, backend: str, kwargs: Dict[str, Any]
+    rank: int, fn: Callable, world_size: int, store: str, backend: str, kwargs: Dict[str, Any]
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"file://{store}", rank=rank, world_size=world_size
     )
     fn(rank=rank, world_size=world_size, **kwargs)
     dist.barrier()
@@ -46,13 +40,16 @@ def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", **kwargs: An
     """Runs ``fn(rank=, world_size=, **kwargs)`` in ``world_size`` fresh processes of
     one process group (``nccl``: rank r on GPU r); a failure in any rank fails the
     caller with that rank's traceback."""
-    mp.start_processes(
-        _entry,
-        args=(fn, world_size, _free_port(), backend, kwargs),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+    # A file store, not a TCP port: a free port found here may be taken (by NCCL or
+    # NVSHMEM of the test before) by the time rank 0 listens on it.
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, os.path.join(tmp, "store"), backend, kwargs),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
 
 
 class Wrapper(nn.Module):

@@ -14,7 +14,10 @@ nvidia_nvshmem = pytest.importorskip("nvidia.nvshmem")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from torchrec_pgas.kernels.bag_lengths import bag_lengths_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
+from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
+from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
@@ -29,8 +32,10 @@ CASES = {
         put_signal_kernel,
         {"peers_ptr": "*i32", "chunks_ptr": "*i64", "dst_base": "i64", "ready_base": "i64",
          "free_ptr": "*i64", "err_ptr": "*i64", "me": "i32", "step": "i64",
-         "free_target": "i64", "timeout_ns": "i64", "NCHUNK": "constexpr"},
-        [{"NCHUNK": 4}, {"NCHUNK": 1}, {"NCHUNK": 0}],
+         "free_target": "i64", "timeout_ns": "i64", "NCHUNK": "constexpr",
+         "PROGRAMS": "constexpr", "ALIGN": "constexpr"},
+        [{"NCHUNK": 4, "PROGRAMS": 32, "ALIGN": 16}, {"NCHUNK": 1, "PROGRAMS": 32, "ALIGN": 16},
+         {"NCHUNK": 0, "PROGRAMS": 32, "ALIGN": 16}],
     ),
     "signal_wait": (
         signal_wait_kernel,
@@ -40,22 +45,48 @@ CASES = {
     ),
     "rows_put": (
         rows_put_kernel,
-        {"src_ptr": "*fp32", "batch_ptr": "*i64", "out_addrs_ptr": "*i64",
+        {"src_ptr": "*fp32", "batch_ptr": "*i64", "batch_stride": "i32", "out_addrs_ptr": "*i64",
          "cnt_addrs_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
          "batch_capacity": "i32", "dim": "i32", "pitch": "i32", "col": "i32",
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr",
          "BLOCK_D": "constexpr"},
         [{"BLOCK_B": 32, "BLOCK_D": 128}],
     ),
+    "ids_check": (
+        ids_check_kernel,
+        {"values_ptr": "*i64", "offsets_ptr": "*i64", "lengths_ptr": "*i32",
+         "num_rows_ptr": "*i64", "verdict_ptr": "*i64", "n_ids": "i64", "n_lengths": "i32",
+         "batch": "i32", "num_features": "i32", "NONE": "constexpr", "BLOCK": "constexpr"},
+        [{"NONE": 2**62, "BLOCK": 1024}],
+    ),
+    "ids_header": (
+        ids_header_kernel,
+        {"verdict_ptr": "*i64", "values_ptr": "*i64", "offsets_ptr": "*i32",
+         "num_rows_ptr": "*i64", "owner_features_ptr": "*i64", "headers_ptr": "*i64",
+         "chunks_ptr": "*i64", "batch": "i32", "n_ids": "i64", "num_features": "i32",
+         "has_weights": "i32", "dtype_problem": "i32", "batch_capacity": "i32",
+         "ids_capacity": "i64", "slot_offset": "i64", "lengths_offset": "i64",
+         "ids_offset": "i64", "weights_offset": "i64", "lengths_addr": "i64",
+         "values_addr": "i64", "weights_addr": "i64", "headers_addr": "i64",
+         "W": "constexpr", "BLOCK_W": "constexpr", "WORDS": "constexpr", "NONE": "constexpr"},
+        [{"W": 3, "BLOCK_W": 4, "WORDS": 8, "NONE": 2**62}],
+    ),
+    "bag_lengths": (
+        bag_lengths_kernel,
+        {"slots_ptr": "*u8", "offsets_ptr": "*i64", "num_sources": "i32",
+         "batch_capacity": "i32", "slot_bytes": "i64", "lengths_offset": "i32",
+         "BLOCK": "constexpr"},
+        [{"BLOCK": 1024}],
+    ),
     "gather_ids": (
         gather_ids_kernel,
-        {"slots_ptr": "*u8", "slot_starts_ptr": "*i64", "counts_ptr": "*i64",
-         "offsets_ptr": "*i64", "indices_ptr": "*i64", "weights_ptr": "*fp32",
-         "slot_bytes": "i64", "ids_offset": "i64", "weights_offset": "i64",
-         "batch_capacity": "i32", "S": "constexpr", "F": "constexpr",
-         "HAS_WEIGHTS": "constexpr", "BLOCK": "constexpr"},
-        [{"S": 2, "F": 4, "HAS_WEIGHTS": True, "BLOCK": 1024},
-         {"S": 3, "F": 1, "HAS_WEIGHTS": False, "BLOCK": 1024}],
+        {"slots_ptr": "*u8", "offsets_ptr": "*i64", "indices_ptr": "*i64",
+         "weights_ptr": "*fp32", "first_feature": "i32", "num_sources": "i32",
+         "batch_capacity": "i32", "slot_bytes": "i64", "ids_offset": "i64",
+         "weights_offset": "i64", "HAS_WEIGHTS": "constexpr", "SPLIT": "constexpr",
+         "BLOCK": "constexpr"},
+        [{"HAS_WEIGHTS": True, "SPLIT": 32, "BLOCK": 1024},
+         {"HAS_WEIGHTS": False, "SPLIT": 32, "BLOCK": 1024}],
     ),
 }
 

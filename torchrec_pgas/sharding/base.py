@@ -8,6 +8,7 @@ use in ``_make_exchange``.
 from typing import Any, Dict, List, Optional
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
@@ -87,11 +88,18 @@ class PgasShardingMixin:
         feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
     ) -> PgasGroupedPooledEmbeddingsLookup:
         kwargs = {"sharding_type": self.lookup_sharding_type} if self.lookup_sharding_type else {}
+        device = device if device is not None else self._device  # type: ignore[attr-defined]
+        if device is not None and device.type == "cuda":
+            # Sources check every id before sending it, and the GPU lookup's index
+            # tensor may be longer than its bags (tw_device_exchange): FBGEMM's own
+            # check would be redundant, and would stretch the last bag over the rest.
+            for config in self._grouped_embedding_configs:  # type: ignore[attr-defined]
+                config.fused_params = {**(config.fused_params or {}), "bounds_check_mode": BoundsCheckMode.NONE}
         return PgasGroupedPooledEmbeddingsLookup(
             name=self.pgas_name,
             grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
             pg=self._pg,  # type: ignore[attr-defined]
-            device=device if device is not None else self._device,  # type: ignore[attr-defined]
+            device=device,
             feature_processor=feature_processor,
             env=self._env,  # type: ignore[attr-defined]
             **kwargs,

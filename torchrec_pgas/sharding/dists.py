@@ -6,7 +6,7 @@ ids, how pooled rows come back) is the exchange they are given (``tw_exchange``,
 ``exchange_pooled`` and ``exchange_grads``.
 """
 
-from typing import Any, Optional, TypeVar
+from typing import Any, List, Optional, TypeVar
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
@@ -22,7 +22,7 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import attach_route, route_of
+from torchrec_pgas.sharding.tw_base import PgasInputError, attach_route, route_of
 
 T = TypeVar("T")
 
@@ -55,10 +55,41 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def __init__(self, exchange: Any) -> None:
         super().__init__()
         self._exchange = exchange
+        self._input_keys: Optional[List[str]] = None
+        self._order: Optional[torch.Tensor] = None
+
+    def take_input_order(self, input_keys: List[str], order: List[int]) -> None:
+        """Makes the dist take batches with ``input_keys``, of which the sharding's
+        features are ``order``, and reorder them itself."""
+        self._input_keys = list(input_keys)
+        self._order = torch.tensor(order, dtype=torch.int32)
+        self._keys = [input_keys[i] for i in order]
+
+    def _reordered(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        assert self._order is not None
+        if kjt.keys() != self._input_keys:
+            raise PgasInputError(
+                f"the PGAS input dist got features {kjt.keys()}, the model was first "
+                f"called with {self._input_keys}"
+            )
+        if kjt.variable_stride_per_key():
+            return kjt.permute(self._order.tolist())  # the exchange says why it cannot serve it
+        if self._order.device != kjt.device():
+            self._order = self._order.to(kjt.device())
+        # The values keep their count, so the permuted total is known without a sync.
+        lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+            self._order, kjt.lengths().view(len(self._input_keys), -1), kjt.values(),
+            kjt.weights_or_none(), kjt.values().numel(),
+        )
+        return KeyedJaggedTensor(
+            keys=self._keys, values=values, weights=weights, lengths=lengths.view(-1), stride=kjt.stride()
+        )
 
     def forward(
         self, sparse_features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        if self._order is not None:
+            sparse_features = self._reordered(sparse_features)
         self._exchange.send_ids(sparse_features)
         return _Done(_ReceiveIds(self._exchange))
 

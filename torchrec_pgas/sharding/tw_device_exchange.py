@@ -1,18 +1,22 @@
 """The table-wise algorithm on GPUs: NVSHMEM puts and signals from Triton kernels.
 
 The steps are those of ``tw_exchange`` (read it first); what differs is that no size
-ever travels to the host. Every size a kernel needs (ids per owner, batch sizes of the
-sources, bag offsets) is computed on the device and read by the kernels, so the host
-only enqueues work:
+crosses to the host on the inference path. Every size a kernel needs (ids per owner,
+batch sizes of the sources, bag offsets) is computed on the device and read by the
+kernels, so the host only enqueues a handful of launches per step:
 
-* ``send_ids``: one ``put_signal`` launch puts header, lengths, ids and weights into
-  every owner's slot and signals it. A batch with bad ids is sent with empty bags and
-  a status in its header, so owners never index out of bounds.
+* ``send_ids``: ``ids_check`` validates every id and length, ``ids_header`` writes the
+  slot headers and each owner's byte ranges, and ``put_signal`` puts them into every
+  owner's slot with many blocks per owner, counting them in with the owner's ready
+  signal. A batch with bad ids is sent as its header alone, so owners never index out
+  of bounds.
 * ``recv_ids``: a device-side wait, then the lookup batch is laid out with a fixed
   number of bags: bag ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``,
-  bags past a source's batch size empty. The ids are gathered into place by
-  ``gather_ids``; their total is read back once, as FBGEMM's backward needs an index
-  tensor of exactly that size.
+  bags past a source's batch size empty (``bag_lengths``); ``gather_ids`` copies the
+  ids into place. Under autograd the index tensor must hold exactly the batch's ids
+  (FBGEMM's backward sorts all of it), which costs one read-back; without autograd it
+  has the slots' capacity and FBGEMM reads only what the offsets cover (its bounds
+  check is off: sources have checked every id).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output (peer mapping) and counts them in; the requester waits for its count, copies
   its output out of the slot, releases it, and reads the step's statuses and the
@@ -30,12 +34,15 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.kernels.bag_lengths import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
-from torchrec_pgas.kernels.put_signal import put_signal
+from torchrec_pgas.kernels.ids_check import NONE, ids_check
+from torchrec_pgas.kernels.ids_header import ids_header
+from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
@@ -103,14 +110,17 @@ class DeviceTwExchange(BaseTwExchange):
         self._me = transport.rank
         self._all = torch.arange(transport.world_size, dtype=torch.int32, device=self._dev)
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
+        self._owner_features = torch.tensor([0] + self._counts, device=self._dev).cumsum(0)
+        self._group_first = [sum(self._group_sizes[:g]) for g in range(len(self._group_sizes))]
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
 
     # ----------------------------------------------------------------- set-up
 
-    def _allocate(self, batch_size: int, ids_per_owner: torch.Tensor) -> None:
+    def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective,
         and the one device-to-host sync of the set-up)."""
+        ids_per_owner = offsets.index_select(0, self._owner_features * batch_size).diff()
         sizes = torch.stack([torch.tensor(batch_size, device=self._dev), ids_per_owner.max()])
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
         batch, ids = sizes.tolist()
@@ -128,6 +138,9 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads = t._tensor((depth * world * self._grad_slot,), torch.uint8)
         self._grads_ready = t._tensor((world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
+        self._verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
+        self._headers = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
+        self._chunks = torch.zeros(world, 4, 3, dtype=torch.int64, device=self._dev)
         torch.cuda.synchronize(self._dev)
         t.barrier()
 
@@ -142,87 +155,31 @@ class DeviceTwExchange(BaseTwExchange):
         self._check_keys(kjt.keys())
         if kjt.variable_stride_per_key():
             raise PgasInputError(f"{self._name}: variable batch per feature is not supported")
-        batch, nf = kjt.stride(), len(self._features)
-        raw_values, weights = kjt.values(), kjt.weights_or_none()
-        values = raw_values.to(torch.int64)
-        lengths = kjt.lengths().to(torch.int32)
-        per_key = lengths.view(nf, batch).sum(1)
-        ids_per_owner = torch.stack([c.sum() for c in per_key.split(self._counts)])
+        batch = kjt.stride()
+        values, weights = kjt.values(), kjt.weights_or_none()
+        dtype_problem = self._dtype_problem(values, weights)
+        if dtype_problem is None:
+            values = values.to(torch.int64)
+            weights = weights.to(torch.float32) if weights is not None else None
+        lengths, offsets = kjt.lengths().to(torch.int32), kjt.offsets()
         if self._layout is None:
-            self._allocate(batch, ids_per_owner)
+            self._allocate(batch, offsets)
         layout = self._layout
         assert layout is not None
-
-        status, detail = self._validate(raw_values, weights, lengths, per_key, ids_per_owner, batch, layout)
-        ok = status == Status.OK
-        sent_batch = batch if batch <= layout.batch_capacity else 0
-        self._my_batches.append(sent_batch)
-        world = self._t.world_size
-        header = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
-        header[:, 0] = status
-        header[:, 1] = sent_batch
-        header[:, 2] = torch.where(ok, ids_per_owner, 0)
-        header[:, 3] = int(weights is not None)
-        header[:, 4:7] = detail
-        first_feature = torch.tensor([0] + self._counts[:-1], device=self._dev).cumsum(0)
-        id_start = torch.cumsum(ids_per_owner, 0) - ids_per_owner
-        counts = torch.tensor(self._counts, dtype=torch.int64, device=self._dev)
-
         self._send_step += 1
         step = self._send_step
-        dst = torch.full((world,), self._ids_slot_offset(self._me, step), dtype=torch.int64, device=self._dev)
-        w = weights.to(torch.float32) if weights is not None else values  # any address will do
-        chunks = torch.stack(
-            [
-                torch.stack([dst, header.data_ptr() + self._all.long() * 64,
-                             torch.full_like(id_start, 64)], 1),
-                torch.stack([dst + layout.lengths_offset,
-                             lengths.data_ptr() + first_feature * batch * 4,
-                             torch.where(ok, counts * batch * 4, 0)], 1),
-                torch.stack([dst + layout.ids_offset, values.data_ptr() + id_start * 8,
-                             torch.where(ok, ids_per_owner * 8, 0)], 1),
-                torch.stack([dst + layout.weights_offset, w.data_ptr() + id_start * 4,
-                             torch.where(ok & (weights is not None), ids_per_owner * 4, 0)], 1),
-            ],
-            1,
+        if dtype_problem is None:
+            ids_check(values, offsets, lengths, self._num_rows, self._verdict, batch)
+        ids_header(
+            self._verdict, values, offsets, lengths, weights, self._num_rows,
+            self._owner_features, self._headers, self._chunks, batch, dtype_problem, layout,
+            self._ids_slot_offset(self._me, step),
         )
         put_signal(
-            self._all, chunks, self._ids, self._ids_ready, self._ids_free, self._t.err,
+            self._all, self._chunks, self._ids, self._ids_ready, self._ids_free, self._t.err,
             self._me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
         )
-
-    def _validate(self, values, weights, lengths, per_key, ids_per_owner, batch, layout):
-        """Status and detail words of this rank's batch, computed on the device."""
-        dev = self._dev
-        nf = len(self._features)
-        limits = torch.repeat_interleave(self._num_rows, per_key, output_size=values.numel())
-        bad = (values < 0) | (values >= limits)
-        first = torch.argmax(bad.to(torch.int32)) if values.numel() else torch.zeros((), dtype=torch.int64, device=dev)
-        feature = torch.searchsorted(per_key.cumsum(0), first, right=True).clamp(max=max(nf - 1, 0))
-        # index_select, not values[first]: indexing with a tensor would sync
-        bad_id = values.index_select(0, first.reshape(1)).squeeze(0) if values.numel() else first
-        negative = (lengths < 0).any()
-        mismatch = per_key.sum() != values.numel()
-        over = ids_per_owner.max() > layout.ids_capacity
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
-        status = torch.full((), Status.OK, dtype=torch.int64, device=dev)
-        detail = torch.zeros(3, dtype=torch.int64, device=dev)
-        bad_dtype = self._dtype_problem(values, weights)
-        if bad_dtype is not None:
-            status.fill_(Status.BAD_DTYPE)
-            detail[0] = bad_dtype
-            return status, detail
-        if batch > layout.batch_capacity:
-            status.fill_(Status.OVER_CAPACITY)
-            detail[0], detail[1] = batch, ids_per_owner.max()
-            return status, detail
-        status = torch.where(bad.any(), Status.ID_OUT_OF_RANGE, status)
-        detail = torch.where(bad.any(), torch.stack([feature, bad_id, self._num_rows.index_select(0, feature.reshape(1)).squeeze(0)]), detail)
-        status = torch.where(over, Status.OVER_CAPACITY, status)
-        detail = torch.where(over, torch.stack([zero + batch, ids_per_owner.max(), zero]), detail)
-        status = torch.where(negative | mismatch, Status.BAD_LENGTHS, status)
-        detail = torch.where(negative | mismatch, torch.stack([zero - 1, zero, zero]), detail)
-        return status, detail
+        self._my_batches.append(batch if batch <= layout.batch_capacity else 0)
 
     def recv_ids(self) -> LookupBatch:
         """Enqueues the wait for every source's slot of the next step and lays out the
@@ -232,52 +189,36 @@ class DeviceTwExchange(BaseTwExchange):
         self._recv_step += 1
         step = self._recv_step
         world, cap = self._t.world_size, layout.batch_capacity
-        signal_wait(self._ids_ready, self._all, step, self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        signal_wait(self._ids_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
         base = self._ids_slot_offset(0, step)
-        slots = self._ids[base : base + world * layout.nbytes].view(world, layout.nbytes)
-        headers = slots[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
+        slots = self._ids[base : base + world * layout.nbytes]
+        headers = slots.view(world, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
         features = self._features_per_rank[self._me]
-        nf = len(features)
         groups: List[KeyedJaggedTensor] = []
-        if nf:
-            batch = headers[:, 1]
-            lens = slots[:, layout.lengths_offset : layout.lengths_offset + 4 * layout.max_features * cap]
-            lens = lens.view(torch.int32).view(world, -1)
-            f = torch.arange(nf, device=self._dev)[:, None, None]
-            b = torch.arange(cap, device=self._dev)[None, None, :]
-            index = (f * batch[None, :, None] + b).clamp(max=lens.size(1) - 1)  # [F, S, cap]
-            gathered = torch.gather(lens, 1, index.permute(1, 0, 2).reshape(world, -1))
-            valid = (b < batch[None, :, None]) & (headers[:, 0] == Status.OK)[None, :, None]
-            bags = torch.where(valid, gathered.view(world, nf, cap).permute(1, 0, 2), 0).long()
-            counts = bags.sum(-1)  # [F, S]
-            slot_starts = (torch.cumsum(counts, 0) - counts).t().contiguous()  # [S, F]
-            has_weights = self._weighted
-            # FBGEMM's backward sorts the whole index tensor, so each group's ids must
-            # be exactly as many as its bags hold: the one size this rank reads back.
-            group_bags = list(bags.split(self._group_sizes))
-            totals = torch.stack([g.sum() for g in group_bags]).tolist()
-            first = 0
-            for size, g_bags, total in zip(self._group_sizes, group_bags, totals):
-                g_bags = g_bags.reshape(-1)
-                offsets = torch.zeros(g_bags.numel() + 1, dtype=torch.int64, device=self._dev)
-                torch.cumsum(g_bags, 0, out=offsets[1:])
-                indices = torch.empty(total, dtype=torch.int64, device=self._dev)
-                weights = torch.empty(total if has_weights else 1, dtype=torch.float32, device=self._dev)
-                gather_ids(
-                    self._ids[base:], slot_starts[:, first : first + size].contiguous(),
-                    counts[first : first + size].contiguous(), offsets, indices, weights,
-                    layout.nbytes, layout.ids_offset, layout.weights_offset, cap, has_weights,
-                )
+        if features:
+            offsets = bag_offsets(slots, len(features), layout)
+            bags = [f * world * cap for f in self._group_first + [len(features)]]
+            # FBGEMM's backward sorts the whole index tensor: under autograd it must
+            # hold exactly the batch's ids, the one size this rank then reads back.
+            exact = torch.is_grad_enabled()
+            if exact:
+                at = offsets[bags].tolist()
+            for g, (first, size) in enumerate(zip(self._group_first, self._group_sizes)):
+                lo, hi = bags[g], bags[g + 1]
+                g_offsets = offsets if len(bags) == 2 else offsets[lo : hi + 1] - offsets[lo]
+                n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
+                indices = torch.empty(n, dtype=torch.int64, device=self._dev)
+                weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
+                gather_ids(slots, offsets, indices, weights, first, size, layout, self._weighted)
                 groups.append(
                     KeyedJaggedTensor(
                         keys=[x.name for x in features[first : first + size]],
                         values=indices,
-                        offsets=offsets,
-                        weights=weights if has_weights else None,
+                        offsets=g_offsets,
+                        weights=weights if self._weighted else None,
                         stride=world * cap,
                     )
                 )
-                first += size
         # Everything is read (stream ordered): release the slots to their sources.
         self._signal(self._all, self._ids_free, step)
         route = DeviceRoute(headers=headers, my_batch=self._my_batches.popleft())
@@ -305,7 +246,7 @@ class DeviceTwExchange(BaseTwExchange):
         if self._dims[me] > 0:
             rows_put(
                 local_embs.detach().to(self._out_dtype).contiguous(),
-                route.headers[:, 1].contiguous(),
+                route.headers[:, 1],
                 self._out.peers + gen * self._out_slot,
                 self._out_count.peers + me * 8,
                 self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
@@ -359,11 +300,13 @@ class DeviceTwExchange(BaseTwExchange):
         )
         if self._dims[me] == 0:
             return grad_out.new_zeros(local_embs_shape)
-        signal_wait(self._grads_ready, self._all, step, self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        signal_wait(self._grads_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
         base = (step % DEFAULT_DEPTH) * world * self._grad_slot
         slots = self._grads[base : base + world * self._grad_slot].view(world, self._grad_slot)
         d = self._dims[me]
-        grad = slots[:, : cap * d * self._elem].view(self._out_dtype).view(world * cap, d).clone()
+        # One copy out of the strided slots: they are reused two steps on.
+        grad = torch.empty(world * cap, d, dtype=self._out_dtype, device=self._dev)
+        grad.view(world, cap * d).copy_(slots[:, : cap * d * self._elem].view(self._out_dtype))
         self._signal(self._all, self._grads_free, step)
         # Rows past a source's batch belong to empty bags: FBGEMM's backward never reads them.
         return grad

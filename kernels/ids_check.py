@@ -1,0 +1,77 @@
+"""Finds the first bad id and the first negative length of a KeyedJaggedTensor.
+
+Sources validate their own ids before sending them, so an owner never indexes out of
+its tables. The verdict stays on the device: ``ids_header`` turns it into the slot
+headers (and resets it for the next batch).
+
+Buffers:
+    values:    int64 [n_ids]         the KJT's ids, feature-major
+    offsets:   int  [F * batch + 1]  the KJT's offsets; feature f's ids start at
+                                     ``offsets[f * batch]``
+    lengths:   int  [F * batch]      the KJT's lengths
+    num_rows:  int64 [F]             rows of each feature's table
+    verdict:   int64 [2]             in/out: smallest position of an out-of-range id,
+                                     smallest position of a negative length (``NONE``
+                                     where there is none)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+#: What a verdict word holds when nothing is wrong.
+NONE = 2**62
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["n_ids", "n_lengths", "batch", "num_features"])
+def ids_check_kernel(
+    values_ptr,
+    offsets_ptr,
+    lengths_ptr,
+    num_rows_ptr,
+    verdict_ptr,
+    n_ids,
+    n_lengths,
+    batch,
+    num_features,
+    NONE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_ids = k < n_ids
+    ids = tl.load(values_ptr + k, mask=in_ids, other=0)
+    # An id belongs to the last feature that starts at or before it (features with
+    # no ids start where the next one does).
+    limit = tl.zeros([BLOCK], dtype=tl.int64)
+    for f in range(num_features):
+        start = tl.load(offsets_ptr + f * batch).to(tl.int64)
+        limit = tl.where(k >= start, tl.load(num_rows_ptr + f), limit)
+    bad = in_ids & ((ids < 0) | (ids >= limit))
+    first_bad = tl.min(tl.where(bad, k, NONE))
+    if first_bad < NONE:
+        tl.atomic_min(verdict_ptr, first_bad)
+    in_lengths = k < n_lengths
+    negative = in_lengths & (tl.load(lengths_ptr + k, mask=in_lengths, other=0) < 0)
+    first_negative = tl.min(tl.where(negative, k, NONE))
+    if first_negative < NONE:
+        tl.atomic_min(verdict_ptr + 1, first_negative)
+
+
+def ids_check(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor,
+    verdict: torch.Tensor,
+    batch: int,
+) -> None:
+    """Folds this batch's problems into ``verdict`` (see the module docstring)."""
+    n = max(values.numel(), lengths.numel())
+    if n:
+        ids_check_kernel[(triton.cdiv(n, BLOCK),)](
+            values, offsets, lengths, num_rows, verdict,
+            values.numel(), lengths.numel(), batch, num_rows.numel(),
+            NONE=NONE, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )

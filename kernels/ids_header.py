@@ -1,0 +1,164 @@
+"""Writes a source's slot headers and the byte ranges ``put_signal`` sends to each owner.
+
+One program. It reads the verdict of ``ids_check`` (and resets it for the next batch),
+decides the batch's status (the same for every owner, so every rank raises the same
+error) and, per owner, where its lengths, ids and weights start in this rank's KJT.
+A batch that is not ``OK`` is sent as its header alone, so owners never see bad ids.
+
+Buffers:
+    verdict:         int64 [2]           see ``ids_check`` (reset to ``NONE`` here)
+    values:          int64 [n_ids]       the KJT's ids
+    offsets:         int  [F * batch + 1] the KJT's offsets
+    num_rows:        int64 [F]           rows of each feature's table
+    owner_features:  int64 [W + 1]       owner w's features are ``[owner_features[w],
+                                         owner_features[w + 1])``
+    headers:         int64 [W, 8]        out: one slot header per owner (``ids_slot``)
+    chunks:          int64 [W, 4, 3]     out: ``put_signal``'s chunks per owner: lengths,
+                                         ids, weights, then the header (the last chunk
+                                         carries the signal)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_pgas.kernels.ids_check import NONE
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
+
+_OK = tl.constexpr(Status.OK.value)
+_OUT_OF_RANGE = tl.constexpr(Status.ID_OUT_OF_RANGE.value)
+_OVER_CAPACITY = tl.constexpr(Status.OVER_CAPACITY.value)
+_BAD_LENGTHS = tl.constexpr(Status.BAD_LENGTHS.value)
+_BAD_DTYPE = tl.constexpr(Status.BAD_DTYPE.value)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "batch", "n_ids", "num_features", "has_weights", "dtype_problem", "batch_capacity",
+        "ids_capacity", "slot_offset", "lengths_offset", "ids_offset", "weights_offset",
+        "lengths_addr", "values_addr", "weights_addr", "headers_addr",
+    ]
+)
+def ids_header_kernel(
+    verdict_ptr,
+    values_ptr,
+    offsets_ptr,
+    num_rows_ptr,
+    owner_features_ptr,
+    headers_ptr,
+    chunks_ptr,
+    batch,
+    n_ids,
+    num_features,
+    has_weights,
+    dtype_problem,
+    batch_capacity,
+    ids_capacity,
+    slot_offset,
+    lengths_offset,
+    ids_offset,
+    weights_offset,
+    lengths_addr,
+    values_addr,
+    weights_addr,
+    headers_addr,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    WORDS: tl.constexpr,
+    NONE: tl.constexpr,
+):
+    w = tl.arange(0, BLOCK_W)
+    wm = w < W
+    zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+    f_lo = tl.load(owner_features_ptr + w, mask=wm, other=0)
+    f_hi = tl.load(owner_features_ptr + w + 1, mask=wm, other=0)
+    id_lo = tl.load(offsets_ptr + f_lo * batch, mask=wm, other=0).to(tl.int64)
+    ids_per = tl.load(offsets_ptr + f_hi * batch, mask=wm, other=0).to(tl.int64) - id_lo
+    most_ids = tl.max(tl.where(wm, ids_per, 0))
+    total = tl.load(offsets_ptr + num_features * batch).to(tl.int64)
+
+    bad_pos = tl.load(verdict_ptr)
+    negative_pos = tl.load(verdict_ptr + 1)
+    tl.store(verdict_ptr, NONE)
+    tl.store(verdict_ptr + 1, NONE)
+    feature = num_features * 0
+    for f in range(num_features):
+        feature = tl.where(tl.load(offsets_ptr + f * batch) <= bad_pos, f, feature)
+    has_bad = bad_pos < NONE
+    bad_id = tl.load(values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
+
+    # Later checks win: a batch that fails several reports the most basic problem.
+    status = tl.where(has_bad, _OUT_OF_RANGE, _OK)
+    d0 = tl.where(has_bad, feature, 0).to(tl.int64)
+    d1 = tl.where(has_bad, bad_id, 0)
+    d2 = tl.where(has_bad, tl.load(num_rows_ptr + feature), 0)
+    over = (most_ids > ids_capacity) | (batch > batch_capacity)
+    status = tl.where(over, _OVER_CAPACITY, status)
+    d0 = tl.where(over, batch, d0)
+    d1 = tl.where(over, most_ids, d1)
+    d2 = tl.where(over, 0, d2)
+    bad_lengths = (negative_pos < NONE) | (total != n_ids)
+    status = tl.where(bad_lengths, _BAD_LENGTHS, status)
+    d0 = tl.where(bad_lengths, tl.where(negative_pos < NONE, negative_pos // tl.maximum(batch, 1), -1), d0)
+    d1 = tl.where(bad_lengths, 0, d1)
+    d2 = tl.where(bad_lengths, 0, d2)
+    bad_dtype = dtype_problem >= 0
+    status = tl.where(bad_dtype, _BAD_DTYPE, status)
+    d0 = tl.where(bad_dtype, dtype_problem, d0)
+    d1 = tl.where(bad_dtype, 0, d1)
+    d2 = tl.where(bad_dtype, 0, d2)
+    ok = status == _OK
+
+    h = headers_ptr + w * WORDS
+    tl.store(h, zero + status, mask=wm)
+    tl.store(h + 1, zero + tl.where(batch <= batch_capacity, batch, 0), mask=wm)
+    tl.store(h + 2, tl.where(ok, ids_per, 0), mask=wm)
+    tl.store(h + 3, zero + has_weights, mask=wm)
+    tl.store(h + 4, zero + d0, mask=wm)
+    tl.store(h + 5, zero + d1, mask=wm)
+    tl.store(h + 6, zero + d2, mask=wm)
+    tl.store(h + 7, zero, mask=wm)
+
+    c = chunks_ptr + w * 12
+    tl.store(c + 0, zero + slot_offset + lengths_offset, mask=wm)
+    tl.store(c + 1, lengths_addr + f_lo * batch * 4, mask=wm)
+    tl.store(c + 2, tl.where(ok, (f_hi - f_lo) * batch * 4, 0), mask=wm)
+    tl.store(c + 3, zero + slot_offset + ids_offset, mask=wm)
+    tl.store(c + 4, values_addr + id_lo * 8, mask=wm)
+    tl.store(c + 5, tl.where(ok, ids_per * 8, 0), mask=wm)
+    tl.store(c + 6, zero + slot_offset + weights_offset, mask=wm)
+    tl.store(c + 7, weights_addr + id_lo * 4, mask=wm)
+    tl.store(c + 8, tl.where(ok & (has_weights != 0), ids_per * 4, 0), mask=wm)
+    tl.store(c + 9, zero + slot_offset, mask=wm)
+    tl.store(c + 10, headers_addr + w.to(tl.int64) * WORDS * 8, mask=wm)
+    tl.store(c + 11, zero + WORDS * 8, mask=wm)
+
+
+def ids_header(
+    verdict: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: "torch.Tensor | None",
+    num_rows: torch.Tensor,
+    owner_features: torch.Tensor,
+    headers: torch.Tensor,
+    chunks: torch.Tensor,
+    batch: int,
+    dtype_problem: "int | None",
+    layout: IdsSlotLayout,
+    slot_offset: int,
+) -> None:
+    """Fills ``headers`` and ``chunks`` for one batch (see the module docstring)."""
+    world = headers.size(0)
+    ids_header_kernel[(1,)](
+        verdict, values, offsets, num_rows, owner_features, headers, chunks,
+        batch, values.numel(), num_rows.numel(), int(weights is not None),
+        -1 if dtype_problem is None else dtype_problem,
+        layout.batch_capacity, layout.ids_capacity, slot_offset,
+        layout.lengths_offset, layout.ids_offset, layout.weights_offset,
+        lengths.data_ptr(), values.data_ptr(),
+        weights.data_ptr() if weights is not None else values.data_ptr(), headers.data_ptr(),
+        W=world, BLOCK_W=triton.next_power_of_2(world), WORDS=HEADER_WORDS, NONE=NONE,
+        num_warps=1,
+    )
