@@ -13,6 +13,8 @@ The constants are NVSHMEM's own (``nvshmem_defines.h``), not the ones some wrapp
 document: over NVLink any signal op other than 9 behaves as an add.
 """
 
+import functools
+
 from triton.language import core
 
 # NVSHMEM_SIGNAL_SET; NVSHMEM_SIGNAL_ADD is 10, the comparisons are EQ=0 NE=1 GT=2 LE=3
@@ -62,6 +64,7 @@ def fence(_semantic=None):
     )
 
 
+@functools.lru_cache(maxsize=None)
 def bitcode_libs() -> dict:
     """The ``extern_libs`` launch option that links NVSHMEM's device bitcode."""
     import os

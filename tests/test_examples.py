@@ -33,3 +33,22 @@ def test_train_on_criteo_tsv_learns(tmp_path):
     out = _torchrun("train.py", "--data", sample, "--steps", "150", "--batch-size", "64", "--rows", "4000")
     auroc = float(out.split("eval AUROC ")[1].split(",")[0])
     assert auroc > 0.75, out  # the label is a function of one categorical feature
+
+
+def test_pgas_row_wise_trains_and_serves_next_to_table_wise(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = _torchrun("train.py", "--sharding", "pgas_row_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
+    assert "pgas_row_wise: 20 steps on 2 x cpu" in out
+    out = _torchrun("infer.py", "--checkpoint", ckpt, "--shardings", "pgas_row_wise,table_wise", "--batches", "4", "--batch-size", "64")
+    # Row-wise partial sums are added in another order than one table's bag sum.
+    assert "predictions of pgas_row_wise and table_wise: " in out, out
+    gap = out.split("predictions of pgas_row_wise and table_wise: ")[1].split()
+    assert gap[0] == "identical" or float(gap[-1]) < 1e-5, out
+
+
+def test_torchrec_row_wise_on_cpu_says_to_use_pgas_row_wise(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(EXAMPLE, "train.py"), "--sharding", "row_wise", "--steps", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "TorchRec's row_wise runs on GPUs only; on CPU use --sharding pgas_row_wise" in done.stdout + done.stderr

@@ -252,3 +252,25 @@ def test_training_stays_identical_to_table_wise_short_run():
 @pytest.mark.slow
 def test_training_stays_identical_to_table_wise_10k_steps():
     run_ranks(_long_run, WORLD, steps=10_000, check_every=1_000)
+
+
+def _nvshmem_missing_on_rank_1(rank, world_size):
+    if rank == 0:
+        # Rank 0 "has" nvshmem4py: without the agreement it would go on to the unique-id
+        # broadcast and wait there for rank 1 forever.
+        fake = types.ModuleType("nvshmem.core")
+        fake.NvshmemKernelObject = object
+        sys.modules["nvshmem"] = types.ModuleType("nvshmem")
+        sys.modules["nvshmem.core"] = fake
+    else:
+        sys.modules["nvshmem"] = None  # type: ignore[assignment]
+    options = PgasOptions(transport="nvshmem", timeout_s=5)
+    with pytest.raises(PgasTransportUnavailableError) as info:
+        get_transport(dist.group.WORLD, torch.device("cuda", 0), options)
+    message = str(info.value)
+    assert "rank 1: NVSHMEM is not available" in message, message
+    assert "pip install 'torchrec-pgas[gpu]'" in message, message
+
+
+def test_a_rank_without_nvshmem_makes_every_rank_raise_with_the_fix():
+    run_ranks(_nvshmem_missing_on_rank_1, 2)

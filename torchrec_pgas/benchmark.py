@@ -39,13 +39,18 @@ class _Holder(nn.Module):
         return self.ebc(kjt)
 
 
-def _parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The model and batch arguments (reference config R1 by default)."""
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8192, help="samples per rank")
     p.add_argument("--ids-per-bag", type=int, default=20)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_args(p)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--json", type=str, default=None, help="also write the results here")
@@ -53,7 +58,9 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _model(args, world: int, sharding: Callable, device: torch.device):
+def build_model(args, world: int, sharding: Callable, device: torch.device):
+    """An EBC of ``args.tables`` tables, table i on rank i % world under ``sharding``,
+    trained by fused ``EXACT_SGD``; the same weights whatever the sharding."""
     tables = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"])
         for i in range(args.tables)
@@ -85,7 +92,8 @@ def _model(args, world: int, sharding: Callable, device: torch.device):
     return dmp
 
 
-def _batches(args, device: torch.device, n: int) -> List[KeyedJaggedTensor]:
+def make_batches(args, device: torch.device, n: int) -> List[KeyedJaggedTensor]:
+    """``n`` batches of ``args.batch_size`` samples, uniform ids, seeded per rank."""
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     lengths = torch.full((args.tables * args.batch_size,), args.ids_per_bag, dtype=torch.int64, device=device)
     return [
@@ -128,7 +136,7 @@ def _profile(fn: Callable[[int], None], name: str) -> None:
     if dist.get_rank() == 0:
         print(f"\n{name}: 5 forwards")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -137,10 +145,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    batches = _batches(args, device, 4)
+    batches = make_batches(args, device, 4)
     models = {
-        "table_wise": _model(args, world, table_wise, device),
-        "pgas_table_wise": _model(args, world, pgas_table_wise, device),
+        "table_wise": build_model(args, world, table_wise, device),
+        "pgas_table_wise": build_model(args, world, pgas_table_wise, device),
     }
     grads = [torch.randn(args.batch_size, args.tables * args.dim, device=device) for _ in batches]
 

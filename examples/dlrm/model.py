@@ -61,6 +61,10 @@ def constraints_for(sharding: str, args: argparse.Namespace) -> Dict[str, Parame
 def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> DistributedModelParallel:
     """The DLRM sharded with ``sharding``, embedding tables trained by a fused
     row-wise Adagrad (applied in backward, as TorchRec recommends)."""
+    if sharding == "row_wise" and device.type != "cuda":
+        # TorchRec's sharder offers row_wise for GPUs only; its planner would fail later
+        # with a message about the constraint.
+        raise SystemExit("TorchRec's row_wise runs on GPUs only; on CPU use --sharding pgas_row_wise")
     torchrec_pgas.register()
     torch.manual_seed(args.seed)  # the same initial weights on every rank and every run
     model = build(args, torch.device("meta"))

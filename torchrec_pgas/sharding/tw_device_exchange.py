@@ -139,6 +139,15 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads_ready = t._tensor((world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
         self._verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
+        # Per-step constants, built once: every small tensor op is host time on the
+        # critical path of a step.
+        self._out_addrs = [self._out.peers + g * self._out_slot for g in range(depth)]
+        self._my_counts = self._out_count.peers + self._me * 8
+        self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        self._out_views = [
+            self._out.local[g * self._out_slot : (g + 1) * self._out_slot].view(self._out_dtype).view(rows, self._dim_total)
+            for g in range(depth)
+        ]
         self._headers = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         self._chunks = torch.zeros(world, 4, 3, dtype=torch.int64, device=self._dev)
         torch.cuda.synchronize(self._dev)
@@ -230,7 +239,7 @@ class DeviceTwExchange(BaseTwExchange):
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""
         put_signal(
-            peers, torch.empty(peers.numel(), 0, 3, dtype=torch.int64, device=self._dev),
+            peers, self._no_chunks[: peers.numel()],
             self._ids, sig, sig, self._t.err, self._me, step, 0, self._t.timeout_ns,
         )
 
@@ -247,20 +256,15 @@ class DeviceTwExchange(BaseTwExchange):
             rows_put(
                 local_embs.detach().to(self._out_dtype).contiguous(),
                 route.headers[:, 1],
-                self._out.peers + gen * self._out_slot,
-                self._out_count.peers + me * 8,
+                self._out_addrs[gen],
+                self._my_counts,
                 self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
                 self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
         self._expected_rows += programs_per_requester(route.my_batch)
         signal_wait(self._out_count.local, self._owners, self._expected_rows, self._t.err, _WAIT_DATA, self._t.timeout_ns)
-        slot = self._out.local[gen * self._out_slot :]
-        out = (
-            slot[: route.my_batch * self._dim_total * self._elem]
-            .view(self._out_dtype)
-            .view(route.my_batch, self._dim_total)
-            .clone()  # the slot is reused two steps on, the output may live longer
-        )
+        # The slot is reused two steps on, the output may live longer.
+        out = self._out_views[gen][: route.my_batch].clone()
         self._signal(self._owners, self._out_free, step)
         self._check(route.headers)
         return out

@@ -64,10 +64,6 @@ def get_transport(
 
             transport: Transport = HostTransport(pg, timeout_s=options.timeout_s)
         elif kind == "nvshmem":
-            if device.type != "cuda":
-                raise PgasTransportUnavailableError(
-                    f"the NVSHMEM transport needs CUDA devices, got {device}"
-                )
             from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
             transport = NvshmemTransport(pg, device, timeout_s=options.timeout_s)

@@ -27,6 +27,19 @@ class PgasTransportUnavailableError(PgasError):
     """The requested transport cannot run here (no NVSHMEM, no peer access, ...)."""
 
 
+def raise_unless_every_rank_ready(pg: dist.ProcessGroup, error: "str | None") -> None:
+    """Raises ``PgasTransportUnavailableError`` on every rank of ``pg`` if any rank
+    reports an ``error`` (collective): a rank that cannot set up a transport must not
+    leave its peers waiting in the set-up's next collective."""
+    errors: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(errors, error, group=pg)
+    failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+    if failed:
+        raise PgasTransportUnavailableError(
+            "; ".join(f"rank {rank}: {e}" for rank, e in failed.items())
+        )
+
+
 @dataclass
 class SymmetricBuffer:
     """A symmetric allocation: this rank's part as a flat ``uint8`` tensor.

@@ -20,6 +20,7 @@ from torchrec_pgas.transport.base import (
     SignalArray,
     SymmetricBuffer,
     Transport,
+    raise_unless_every_rank_ready,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,16 @@ class NvshmemTransport(Transport):
         import numpy as np
         import triton
 
-        nvshmem, _ = _import_nvshmem()
-        self._nvshmem = nvshmem
         self.group = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
+        try:
+            nvshmem, _ = _import_nvshmem()
+            problem = None if device.type == "cuda" else f"the NVSHMEM transport needs a CUDA device, got {device}"
+        except PgasTransportUnavailableError as e:
+            problem = str(e)
+        raise_unless_every_rank_ready(pg, problem)
+        self._nvshmem = nvshmem
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.timeout_ns = int(timeout_s * 1e9)
         self._timeout_s = timeout_s
@@ -94,6 +100,7 @@ class NvshmemTransport(Transport):
         raw = [uid._data.view(np.int8).tobytes() if self.rank == 0 else None]
         dist.broadcast_object_list(raw, src=dist.get_global_rank(pg, 0), group=pg)
         uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
+        problem = None
         try:
             nvshmem.init(
                 device=_cuda_core_device(self.device.index),
@@ -103,10 +110,8 @@ class NvshmemTransport(Transport):
                 initializer_method="uid",
             )
         except Exception as e:
-            raise PgasTransportUnavailableError(
-                f"rank {self.rank}: NVSHMEM initialization failed ({e}); {_SETUP_HINT}; "
-                "NVSHMEM_DEBUG=INFO shows why"
-            ) from e
+            problem = f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; NVSHMEM_DEBUG=INFO shows why"
+        raise_unless_every_rank_ready(pg, problem)
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
         self.err = self._tensor((4,), torch.int64)

@@ -1,0 +1,117 @@
+"""A soak: ``pgas_table_wise`` and TorchRec's ``table_wise`` trained side by side on the
+same weights and batches for a fixed time, checking that they stay bit-identical and
+reporting how steady the PGAS training step is.
+
+    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.soak --minutes 5
+
+Every step trains both models (``EXACT_SGD``, fused); every ``--check-every`` steps the
+two outputs are compared bit for bit. Per window of ``--window-s`` seconds it reports
+the PGAS step's median time (CUDA events) and its steps per second; at the end the
+spread of the window medians, a JSON file and, where matplotlib is present, a PNG.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.sharding_plan import table_wise
+from tqdm import tqdm
+
+from torchrec_pgas.benchmark import add_config_args, build_model, make_batches
+from torchrec_pgas.sharding_plan import pgas_table_wise
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_args(p)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--window-s", type=float, default=30.0)
+    p.add_argument("--check-every", type=int, default=100)
+    p.add_argument("--out", type=str, default="soak", help="writes OUT.json (and OUT.png)")
+    return p.parse_args()
+
+
+def _plot(windows: List[Dict[str, float]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot([w["t_s"] for w in windows], [w["steps_per_s"] for w in windows], marker="o")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("pgas_table_wise training steps/s")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    args = _parse()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    batches = make_batches(args, device, 8)
+    grads = [torch.randn(args.batch_size, args.tables * args.dim, device=device) for _ in batches]
+    pgas, tw = build_model(args, world, pgas_table_wise, device), build_model(args, world, table_wise, device)
+
+    windows: List[Dict[str, float]] = []
+    times: List[float] = []
+    steps, mismatches, checks = 0, 0, 0
+    start = window_start = time.monotonic()
+    bar = tqdm(total=int(args.minutes * 60), unit="s", disable=rank != 0)
+    while True:
+        # Every rank stops at the same step: rank 0's clock decides.
+        if steps % 50 == 0:
+            done = torch.tensor([time.monotonic() - start >= args.minutes * 60], device=device)
+            dist.broadcast(done, src=0)
+            if bool(done):
+                break
+        i = steps % len(batches)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = pgas(batches[i]).values()
+        out.backward(grads[i])
+        end.record()
+        expected = tw(batches[i]).values()
+        expected.backward(grads[i])
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+        steps += 1
+        if steps % args.check_every == 0:
+            checks += 1
+            mismatches += int(not torch.equal(out, expected))
+        now = time.monotonic()
+        if now - window_start >= args.window_s:
+            median = statistics.median(times)
+            windows.append({"t_s": now - start, "median_ms": median, "steps_per_s": len(times) / (now - window_start)})
+            bar.update(int(now - window_start))
+            times, window_start = [], now
+    bar.close()
+    counts = torch.tensor([mismatches, checks], device=device)
+    dist.all_reduce(counts)
+    if rank == 0:
+        medians = [w["median_ms"] for w in windows]
+        print(f"\n{world} x {torch.cuda.get_device_name(device)}, {args.minutes} min, {steps} training steps of each model")
+        print(f"{'t (s)':>8}{'median ms':>11}{'steps/s':>9}")
+        for w in windows:
+            print(f"{w['t_s']:>8.0f}{w['median_ms']:>11.3f}{w['steps_per_s']:>9.1f}")
+        spread = (max(medians) - min(medians)) / statistics.median(medians) if medians else 0.0
+        print(f"window medians: min {min(medians):.3f} ms, max {max(medians):.3f} ms, spread {spread:.1%}")
+        print(f"bit-identical to table_wise at {int(counts[1]) - int(counts[0])} of {int(counts[1])} checks")
+        with open(f"{args.out}.json", "w") as f:
+            json.dump({"args": vars(args), "world": world, "steps": steps, "windows": windows,
+                       "checks": int(counts[1]), "mismatches": int(counts[0])}, f, indent=1)
+        _plot(windows, f"{args.out}.png")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
