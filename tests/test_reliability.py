@@ -7,7 +7,9 @@ import gc
 import os
 import queue
 import socket
+import sys
 import traceback
+import types
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from dist_utils import assert_close_to_reference, reference_pooled, run_ranks, s
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.sharding_plan import pgas_table_wise
-from torchrec_pgas.transport import PgasTimeoutError
+from torchrec_pgas.transport import PgasTimeoutError, PgasTransportUnavailableError, get_transport
 from torchrec_pgas.types import PgasOptions
 
 WORLD = 2
