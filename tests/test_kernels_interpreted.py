@@ -1,0 +1,211 @@
+"""The GPU path's bookkeeping kernels, run by Triton's interpreter on the CPU against
+plain torch oracles: validation and slot headers at the source (``ids_check``,
+``ids_header``), the lookup layout at the owner (``bag_lengths``, ``gather_ids``).
+
+The kernels that call NVSHMEM cannot run here (the interpreter has no extern calls);
+``test_gpu.py`` covers them on the device.
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    # The interpreter must be chosen before Triton is first imported: in a process of
+    # its own.
+    def test_kernels_run_by_the_interpreter_match_their_oracles():
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=1200,
+        )
+        assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
+
+else:
+    import triton.runtime.interpreter as _interpreter
+
+    _patch = _interpreter._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        # Triton 3.6's interpreter turns scalar arguments into 1-element arrays, which
+        # numpy 2 refuses to convert with int() (so ``range(n)`` fails).
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patched
+
+
+@pytest.fixture(scope="module")
+def k():
+    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header
+
+    class Kernels:
+        pass
+
+    Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
+    Kernels.bag_lengths, Kernels.gather_ids = bag_lengths, gather_ids
+    return Kernels
+
+
+_interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter's process")
+
+
+def _source_batch(g: torch.Generator, F: int, B: int, rows: torch.Tensor):
+    lengths = torch.randint(0, 4, (F * B,), generator=g, dtype=torch.int32)
+    lengths[torch.rand(F * B, generator=g) < 0.3] = 0  # empty bags
+    per_feature = lengths.view(F, B).sum(1)
+    values = torch.cat(
+        [torch.randint(0, int(rows[f]), (int(per_feature[f]),), generator=g) for f in range(F)]
+    ) if F else torch.zeros(0, dtype=torch.int64)
+    return lengths, values
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    out[1:] = lengths.to(torch.int64).cumsum(0)
+    return out
+
+
+def _expected(problem, lengths, values, rows, owner_features, B, layout, weighted):
+    """The oracle: the headers and chunk sizes the source should send each owner."""
+    F, W = rows.numel(), owner_features.numel() - 1
+    offsets = _offsets(lengths)
+    ids_per = [int(offsets[int(owner_features[w + 1]) * B] - offsets[int(owner_features[w]) * B]) for w in range(W)]
+    status, detail = Status.OK, (0, 0, 0)
+    if problem == "dtype":
+        status, detail = Status.BAD_DTYPE, (0, 0, 0)
+    elif problem in ("negative", "mismatch"):
+        neg = (lengths < 0).nonzero()
+        status, detail = Status.BAD_LENGTHS, ((int(neg[0]) // B if len(neg) else -1), 0, 0)
+    elif B > layout.batch_capacity or max(ids_per) > layout.ids_capacity:
+        status, detail = Status.OVER_CAPACITY, (B, max(ids_per), 0)
+    else:
+        feature_of = torch.repeat_interleave(torch.arange(F), lengths.view(F, B).sum(1).to(torch.int64))
+        bad = ((values < 0) | (values >= rows[feature_of])).nonzero()
+        if len(bad):
+            p = int(bad[0])
+            f = int(feature_of[p])
+            status, detail = Status.ID_OUT_OF_RANGE, (f, int(values[p]), int(rows[f]))
+    ok = status == Status.OK
+    headers = [
+        [int(status), B if B <= layout.batch_capacity else 0, ids_per[w] if ok else 0, int(weighted), *detail, 0]
+        for w in range(W)
+    ]
+    sizes = [
+        [
+            (int(owner_features[w + 1] - owner_features[w]) * B * 4) if ok else 0,
+            ids_per[w] * 8 if ok else 0,
+            ids_per[w] * 4 if ok and weighted else 0,
+            HEADER_WORDS * 8,
+        ]
+        for w in range(W)
+    ]
+    return headers, sizes
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("problem", ["none", "too_large", "negative_id", "negative", "mismatch", "over", "dtype"])
+def test_source_headers_match_the_oracle(k, seed, problem):
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    F, W = rnd.randint(1, 6), rnd.randint(1, 4)
+    B = rnd.randint(1, 9)
+    rows = torch.randint(3, 50, (F,), generator=g)
+    cuts = sorted(rnd.randint(0, F) for _ in range(W - 1))  # some owners own nothing
+    owner_features = torch.tensor([0, *cuts, F])
+    lengths, values = _source_batch(g, F, B, rows)
+    weighted = bool(seed % 2)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5)
+    if problem == "too_large" and values.numel():
+        values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
+    if problem == "negative_id" and values.numel():
+        values[rnd.randrange(values.numel())] = -1
+    if problem == "negative":
+        lengths[rnd.randrange(lengths.numel())] = -1
+    if problem == "over":
+        layout = IdsSlotLayout(max_features=F, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2))
+    offsets = _offsets(lengths)
+    if problem == "mismatch":
+        values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
+    verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
+    headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
+    chunks = torch.zeros(W, 4, 3, dtype=torch.int64)
+    dtype_problem = 0 if problem == "dtype" else None
+    if dtype_problem is None:
+        k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
+    k.ids_header.ids_header(
+        verdict, values, offsets, lengths, weights, rows, owner_features, headers, chunks, B,
+        dtype_problem, layout, 4096,
+    )
+    expected_headers, expected_sizes = _expected(problem, lengths, values, rows, owner_features, B, layout, weighted)
+    assert headers.tolist() == expected_headers
+    assert chunks[:, :, 2].tolist() == expected_sizes
+    # Destinations: this source's slot; sources: where each owner's part starts.
+    assert chunks[:, :, 0].tolist() == [[4096 + layout.lengths_offset, 4096 + layout.ids_offset, 4096 + layout.weights_offset, 4096]] * W
+    for w in range(W):
+        f0 = int(owner_features[w])
+        assert int(chunks[w, 0, 1]) == lengths.data_ptr() + f0 * B * 4
+        assert int(chunks[w, 1, 1]) == values.data_ptr() + int(offsets[f0 * B]) * 8
+        assert int(chunks[w, 3, 1]) == headers.data_ptr() + w * HEADER_WORDS * 8
+    assert verdict.tolist() == [k.ids_check.NONE] * 2, "the verdict is reset for the next batch"
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(6))
+def test_owner_layout_and_gather_match_the_oracle(k, seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    rnd = random.Random(seed)
+    S, F = rnd.randint(1, 4), rnd.randint(1, 5)
+    batches = [rnd.randint(0, 6) for _ in range(S)]
+    cap = max(batches + [1]) + rnd.randint(0, 2)
+    layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=4 * F * cap)
+    slots = torch.zeros(S * layout.nbytes, dtype=torch.uint8)
+    bad_source = rnd.randrange(S) if seed % 3 == 0 else -1
+    sent = []
+    for s in range(S):
+        slot = slots[s * layout.nbytes : (s + 1) * layout.nbytes]
+        lengths = torch.randint(0, 4, (F * batches[s],), generator=g, dtype=torch.int32)
+        ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+        weights = torch.rand(ids.numel(), generator=g)
+        status = Status.ID_OUT_OF_RANGE if s == bad_source else Status.OK
+        slot[: 8 * HEADER_WORDS].view(torch.int64)[:] = torch.tensor([int(status), batches[s], ids.numel(), 1, 0, 0, 0, 0])
+        layout.lengths(slot, lengths.numel())[:] = lengths
+        layout.ids(slot, ids.numel())[:] = ids
+        layout.weights(slot, ids.numel())[:] = weights
+        sent.append((lengths.view(F, batches[s]), ids, weights, status == Status.OK))
+
+    # The oracle: bag (f, s, b) in feature-major, source, sample order.
+    bag_lengths, ids_in_order, weights_in_order = torch.zeros(F, S, cap, dtype=torch.int64), [], []
+    for f in range(F):
+        for s, (lengths, ids, weights, ok) in enumerate(sent):
+            if not ok:
+                continue
+            bag_lengths[f, s, : batches[s]] = lengths[f]
+            start = int(lengths[:f].sum())
+            n = int(lengths[f].sum())
+            ids_in_order.append(ids[start : start + n])
+            weights_in_order.append(weights[start : start + n])
+    expected_offsets = _offsets(bag_lengths.view(-1))
+
+    offsets = k.bag_lengths.bag_offsets(slots, F, layout)
+    assert torch.equal(offsets, expected_offsets)
+    ids_all, weights_all = torch.cat(ids_in_order), torch.cat(weights_in_order)
+    # One group of every feature, then the features split into two groups.
+    first = rnd.randint(0, F)
+    for lo, hi in ((0, F), (0, first), (first, F)):
+        begin, end = int(offsets[lo * S * cap]), int(offsets[hi * S * cap])
+        indices = torch.full((end - begin + 3,), -7, dtype=torch.int64)
+        weights = torch.zeros(end - begin + 3)
+        k.gather_ids.gather_ids(slots, offsets, indices, weights, lo, hi - lo, layout, True)
+        assert torch.equal(indices[: end - begin], ids_all[begin:end]), (lo, hi)
+        assert torch.equal(weights[: end - begin], weights_all[begin:end]), (lo, hi)
+        assert (indices[end - begin :] == -7).all(), "nothing past the group's ids is written"
