@@ -155,3 +155,25 @@ def _bad_ids(rank, world_size):
 
 def test_gpu_bad_ids_raise_on_every_rank_and_next_batch_is_served():
     run_ranks(_bad_ids, 2, backend="nccl")
+
+
+def _churn(rank, world_size):
+    import gc
+
+    dev = torch.device("cuda", rank)
+    tables = make_tables(3, seed=2)
+    kjt = random_kjt(tables, 16, seed=rank).to(dev)
+    used = []
+    for _ in range(6):
+        _, pgas, tw = _models(rank, world_size, tables, [0, 1, 0], False, seed=2)
+        assert torch.equal(pgas(kjt).values(), tw(kjt).values())
+        del pgas, tw
+        gc.collect()
+        transport = get_transport(dist.group.WORLD, dev, PgasOptions(timeout_s=60))
+        used.append(len(transport._live))
+    # The next model's first batch frees what the last one held: the count stays flat.
+    assert used[-1] == used[1], f"symmetric tensors grow as models come and go: {used}"
+
+
+def test_gpu_models_that_come_and_go_leak_no_symmetric_memory():
+    run_ranks(_churn, 2, backend="nccl")

@@ -27,6 +27,7 @@ kernels, so the host only enqueues a handful of launches per step:
 """
 
 import collections
+import weakref
 from dataclasses import dataclass
 from typing import Any, Deque, List, Sequence
 
@@ -120,6 +121,7 @@ class DeviceTwExchange(BaseTwExchange):
     def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective,
         and the one device-to-host sync of the set-up)."""
+        self._t.reclaim()  # the buffers of models gone since the last allocation
         ids_per_owner = offsets.index_select(0, self._owner_features * batch_size).diff()
         sizes = torch.stack([torch.tensor(batch_size, device=self._dev), ids_per_owner.max()])
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
@@ -150,6 +152,10 @@ class DeviceTwExchange(BaseTwExchange):
         ]
         self._headers = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         self._chunks = torch.zeros(world, 4, 3, dtype=torch.int64, device=self._dev)
+        # When the model goes, its buffers go back to the transport.
+        symmetric = [self._ids, self._ids_ready, self._ids_free, self._out.local, self._out_count.local,
+                     self._out_free, self._grads, self._grads_ready, self._grads_free]
+        weakref.finalize(self, t.retire, symmetric)
         torch.cuda.synchronize(self._dev)
         t.barrier()
 

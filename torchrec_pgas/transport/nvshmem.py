@@ -114,6 +114,7 @@ class NvshmemTransport(Transport):
         raise_unless_every_rank_ready(pg, problem)
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
+        self._retired: List[torch.Tensor] = []
         self.err = self._tensor((4,), torch.int64)
         # Targets for the interface's plain puts and signals, whose kernel always
         # sets a signal word and takes a destination buffer.
@@ -127,6 +128,26 @@ class NvshmemTransport(Transport):
         t.zero_()
         self._live.append(t)
         return t
+
+    def retire(self, tensors: List[torch.Tensor]) -> None:
+        """Hands back symmetric tensors that are no longer used (when their model is
+        garbage collected). Freeing is collective, so it waits for ``reclaim``."""
+        self._retired.extend(tensors)
+
+    def reclaim(self) -> None:
+        """Frees the retired tensors (collective: call it where every rank allocates,
+        such as a new model's first batch). Ranks free as many as every rank has
+        retired, in the order they were retired."""
+        count = torch.tensor([len(self._retired)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)
+        n = int(count)
+        if n:
+            torch.cuda.synchronize(self.device)
+            self.barrier()
+            for t in self._retired[:n]:
+                self._live.remove(t)
+                self._nvshmem.free_tensor(t)
+            del self._retired[:n]
 
     def _check_peer_access(self) -> None:
         probe = self._tensor((1,), torch.int64)

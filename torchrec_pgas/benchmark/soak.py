@@ -2,7 +2,7 @@
 same weights and batches for a fixed time, checking that they stay bit-identical and
 reporting how steady the PGAS training step is.
 
-    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.soak --minutes 5
+    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark.soak --minutes 5
 
 Every step trains both models (``EXACT_SGD``, fused); every ``--check-every`` steps the
 two outputs are compared bit for bit. Per window of ``--window-s`` seconds it reports
@@ -18,11 +18,10 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.sharding_plan import table_wise
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import add_config_args, build_model, make_batches
-from torchrec_pgas.sharding_plan import pgas_table_wise
+from torchrec_pgas.benchmark import workload
+from torchrec_pgas.benchmark.config import add_config_args, base_config
 
 
 def _parse() -> argparse.Namespace:
@@ -58,9 +57,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    batches = make_batches(args, device, 8)
-    grads = [torch.randn(args.batch_size, args.tables * args.dim, device=device) for _ in batches]
-    pgas, tw = build_model(args, world, pgas_table_wise, device), build_model(args, world, table_wise, device)
+    cfg = base_config(args, world)
+    batches = workload.batches(cfg, device, 8, rank)
+    grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in batches]
+    pg = dist.group.WORLD
+    pgas, tw = workload.build(cfg, "pgas_table_wise", device, pg), workload.build(cfg, "table_wise", device, pg)
 
     windows: List[Dict[str, float]] = []
     times: List[float] = []
@@ -77,10 +78,10 @@ def main() -> None:
         i = steps % len(batches)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        out = pgas(batches[i]).values()
+        out = pgas(batches[i])
         out.backward(grads[i])
         end.record()
-        expected = tw(batches[i]).values()
+        expected = tw(batches[i])
         expected.backward(grads[i])
         end.synchronize()
         times.append(begin.elapsed_time(end))

@@ -1,0 +1,140 @@
+"""PGAS sharding against TorchRec's own (FBGEMM FUSED; NCCL on GPUs, gloo on CPUs),
+side by side in one process group, on the same weights and batches.
+
+    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark               # R1
+    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark --suite all --out bench
+
+For every configuration of the chosen scenarios (``config.scenarios``) and every pair
+(``table_wise`` / ``pgas_table_wise``, and ``row_wise`` / ``pgas_row_wise`` where the
+device offers both) it measures, median of ``--iters`` after ``--warmup`` (CUDA events
+on GPUs): the embedding forward (inference), a DLRM inference pass, and a training step
+(forward, backward, fused optimizer); it checks that the outputs agree, and puts the
+forward against the hardware floor (``floor``). Configurations on fewer ranks than
+launched run on a subgroup. Results: ``OUT/results.json``, ``OUT/results.md`` and
+``OUT/speedup.png``.
+"""
+
+import argparse
+import gc
+import sys
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from torchrec_pgas.benchmark import floor, report, timing, workload
+from torchrec_pgas.benchmark.config import Config, add_config_args, base_config, scenarios
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+
+PAIRS = (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise"))
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_args(p)
+    p.add_argument("--suite", default="r1", help="comma-separated scenarios, or 'all'")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", default="benchmark_results")
+    return p.parse_args()
+
+
+def _pairs(device: torch.device) -> List[Tuple[str, str]]:
+    offered = set(PgasEmbeddingBagCollectionSharder().sharding_types(device.type))
+    return [pair for pair in PAIRS if set(pair) <= offered]
+
+
+def _measure(cfg: Config, sharding: str, device: torch.device, pg, args) -> Tuple[Dict[str, float], torch.Tensor]:
+    """Times of ``sharding`` on ``cfg``, and its first embedding output."""
+    rank = dist.get_rank(pg)
+    kjts = workload.batches(cfg, device, 4, rank)
+    dense = workload.dense_features(cfg, device, 4, rank)
+    grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in kjts]
+    first, result = _time_ebc(workload.build(cfg, sharding, device, pg), kjts, grads, device, pg, args)
+    result["dlrm_ms"] = _time_dlrm(workload.build(cfg, sharding, device, pg, dlrm=True), dense, kjts, device, pg, args)
+    gc.collect()  # the models' buffers go back before the next configuration
+    return result, first
+
+
+def _time_ebc(model, kjts, grads, device, pg, args) -> Tuple[torch.Tensor, Dict[str, float]]:
+    with torch.no_grad():
+        first = model(kjts[0]).clone()
+
+    def forward(i: int) -> None:
+        with torch.no_grad():
+            model(kjts[i % len(kjts)])
+
+    def train_step(i: int) -> None:
+        model(kjts[i % len(kjts)]).backward(grads[i % len(grads)])
+
+    return first, {
+        "forward_ms": timing.median_ms(forward, args.iters, args.warmup, device, pg),
+        "train_ms": timing.median_ms(train_step, args.iters, args.warmup, device, pg),
+    }
+
+
+def _time_dlrm(model, dense, kjts, device, pg, args) -> float:
+    def infer(i: int) -> None:
+        with torch.no_grad():
+            model(dense[i % len(dense)], kjts[i % len(kjts)])
+
+    return timing.median_ms(infer, args.iters, args.warmup, device, pg)
+
+
+def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, Tuple[float, float]], args) -> List[Dict[str, Any]]:
+    """Every pair on one configuration (on the ranks of ``pg``)."""
+    if cfg.ranks not in bandwidth:  # measured once per group, in the same run
+        size = 1 << (28 if device.type == "cuda" else 24)
+        bandwidth[cfg.ranks] = (floor.copy_gbps(device, size), floor.put_gbps(pg, device, size))
+    copy, put = bandwidth[cfg.ranks]
+    rows = []
+    for pair in _pairs(device):
+        (base, base_out), (ours, ours_out) = (_measure(cfg, s, device, pg, args) for s in pair)
+        diff = (base_out - ours_out).abs().max()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=pg)
+        rows.append({
+            "scenario": name, "label": cfg.label(), "short": _short(name, cfg), "config": vars(cfg),
+            "pair": pair, "baseline": base, "ours": ours, "identical": bool(diff == 0),
+            "max_diff": float(diff), "floor_ms": floor.floor_ms(cfg, copy, put),
+            "copy_gbps": copy, "put_gbps": put,
+        })
+    return rows
+
+
+def main() -> None:
+    args = _parse()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    chosen = scenarios(base_config(args, world), world)
+    names = list(chosen) if args.suite == "all" else args.suite.split(",")
+    groups: Dict[int, Any] = {}
+    bandwidth: Dict[int, Tuple[float, float]] = {}
+    rows: List[Dict[str, Any]] = []
+    work = [(name, cfg) for name in names for cfg in chosen[name]]
+    for name, cfg in tqdm(work, desc="configurations", disable=rank != 0):
+        if cfg.ranks not in groups:  # every rank creates every group, in order
+            groups[cfg.ranks] = dist.new_group(list(range(cfg.ranks)))
+        if rank < cfg.ranks:
+            rows += _run(name, cfg, groups[cfg.ranks], device, bandwidth, args)
+        dist.barrier()
+    if rank == 0:
+        hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
+        meta = {"hardware": hardware, "iters": args.iters, "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:])}
+        report.write(rows, meta, args.out)
+    dist.destroy_process_group()
+
+
+def _short(scenario: str, cfg: Config) -> str:
+    return {
+        "weak": f"{cfg.ranks} ranks", "strong": f"{cfg.ranks} ranks", "dim": f"dim {cfg.dim}",
+        "ids_per_bag": f"{cfg.ids_per_bag} ids", "batch_size": f"{cfg.batch_size}", "zipf": "zipf 1.05",
+    }.get(scenario, "R1" if scenario == "r1" else scenario)
+
+
+if __name__ == "__main__":
+    main()

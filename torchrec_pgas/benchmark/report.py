@@ -1,0 +1,73 @@
+"""Benchmark results as JSON, a markdown table and a PNG plot."""
+
+import json
+import os
+from typing import Any, Dict, List
+
+#: The measurements of each (baseline, ours) pair, in table order.
+METRICS = (("forward_ms", "embedding forward"), ("dlrm_ms", "DLRM inference"), ("train_ms", "training step"))
+
+
+def markdown(rows: List[Dict[str, Any]], header: str) -> str:
+    """One line per configuration and pair: times, speed-ups, agreement and floor."""
+    lines = [
+        header,
+        "",
+        "| scenario | configuration | pair | forward ms (theirs / ours) | DLRM inference ms | "
+        "training step ms | outputs | floor ms | ours / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for key, _ in METRICS:
+            base, ours = r["baseline"][key], r["ours"][key]
+            cells.append(f"{base:.3f} / {ours:.3f} (**{base / ours:.2f}x**)")
+        agree = "identical" if r["identical"] else f"max diff {r['max_diff']:.1e}"
+        lines.append(
+            f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
+            + " | ".join(cells)
+            + f" | {agree} | {r['floor_ms']:.3f} | {r['ours']['forward_ms'] / r['floor_ms']:.1f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[Dict[str, Any]], path: str) -> None:
+    """Speed-ups over the baseline per scenario (one panel each), if matplotlib is here."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    cols = min(4, len(scenarios))
+    grid = (len(scenarios) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.4 * grid), squeeze=False)
+    for ax in axes.flat[len(scenarios):]:
+        ax.set_visible(False)
+    for ax, scenario in zip(axes.flat, scenarios):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        x = range(len(mine))
+        for key, name in METRICS:
+            ax.plot(x, [r["baseline"][key] / r["ours"][key] for r in mine], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([r["short"] for r in mine], rotation=30, fontsize=7)
+        ax.set_title(scenario)
+        ax.set_ylabel("speed-up over TorchRec")
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    table = markdown(rows, f"{meta['hardware']}; median of {meta['iters']} iterations; `{meta['command']}`")
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table)
+    plot(rows, os.path.join(out_dir, "speedup.png"))
+    print("\n" + table)

@@ -1,0 +1,34 @@
+"""Medians of repeated steps: CUDA events on GPUs, the host clock on CPUs."""
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def median_ms(
+    fn: Callable[[int], None], iters: int, warmup: int, device: torch.device, pg: dist.ProcessGroup
+) -> float:
+    """The slowest rank's median time of ``fn(i)`` over ``iters`` runs after ``warmup``
+    (a step is as fast as its slowest rank). Ranks start each run together."""
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(iters):
+        dist.barrier(group=pg)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn(i)
+            times.append((time.perf_counter() - begin) * 1e3)
+    median = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=pg)
+    return float(median)
