@@ -29,12 +29,12 @@ _OK = tl.constexpr(Status.OK.value)
 _OUT_OF_RANGE = tl.constexpr(Status.ID_OUT_OF_RANGE.value)
 _OVER_CAPACITY = tl.constexpr(Status.OVER_CAPACITY.value)
 _BAD_LENGTHS = tl.constexpr(Status.BAD_LENGTHS.value)
-_BAD_DTYPE = tl.constexpr(Status.BAD_DTYPE.value)
 
 
 @triton.jit(
     do_not_specialize=[
-        "batch", "n_ids", "num_features", "has_weights", "dtype_problem", "batch_capacity",
+        "batch", "n_ids", "num_features", "has_weights", "host_status", "host_d0", "host_d1",
+        "host_d2", "batch_capacity",
         "ids_capacity", "slot_offset", "lengths_offset", "ids_offset", "weights_offset",
         "lengths_addr", "values_addr", "weights_addr", "headers_addr",
     ]
@@ -51,7 +51,10 @@ def ids_header_kernel(
     n_ids,
     num_features,
     has_weights,
-    dtype_problem,
+    host_status,
+    host_d0,
+    host_d1,
+    host_d2,
     batch_capacity,
     ids_capacity,
     slot_offset,
@@ -102,11 +105,12 @@ def ids_header_kernel(
     d0 = tl.where(bad_lengths, tl.where(negative_pos < NONE, negative_pos // tl.maximum(batch, 1), -1), d0)
     d1 = tl.where(bad_lengths, 0, d1)
     d2 = tl.where(bad_lengths, 0, d2)
-    bad_dtype = dtype_problem >= 0
-    status = tl.where(bad_dtype, _BAD_DTYPE, status)
-    d0 = tl.where(bad_dtype, dtype_problem, d0)
-    d1 = tl.where(bad_dtype, 0, d1)
-    d2 = tl.where(bad_dtype, 0, d2)
+    # A problem the host found (wrong dtypes, unknown features) overrides all.
+    on_host = host_status >= 0
+    status = tl.where(on_host, host_status, status)
+    d0 = tl.where(on_host, host_d0, d0)
+    d1 = tl.where(on_host, host_d1, d1)
+    d2 = tl.where(on_host, host_d2, d2)
     ok = status == _OK
 
     h = headers_ptr + w * WORDS
@@ -145,16 +149,19 @@ def ids_header(
     headers: torch.Tensor,
     chunks: torch.Tensor,
     batch: int,
-    dtype_problem: "int | None",
+    host_problem: "tuple | None",
     layout: IdsSlotLayout,
     slot_offset: int,
 ) -> None:
-    """Fills ``headers`` and ``chunks`` for one batch (see the module docstring)."""
+    """Fills ``headers`` and ``chunks`` for one batch (see the module docstring).
+    ``host_problem`` is ``(Status, detail)`` of a problem the host found, if any."""
     world = headers.size(0)
+    status, detail = host_problem if host_problem is not None else (-1, ())
+    d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
     ids_header_kernel[(1,)](
         verdict, values, offsets, num_rows, owner_features, headers, chunks,
         batch, values.numel(), num_rows.numel(), int(weights is not None),
-        -1 if dtype_problem is None else dtype_problem,
+        int(status), d0, d1, d2,
         layout.batch_capacity, layout.ids_capacity, slot_offset,
         layout.lengths_offset, layout.ids_offset, layout.weights_offset,
         lengths.data_ptr(), values.data_ptr(),

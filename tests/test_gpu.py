@@ -18,7 +18,7 @@ if torch.cuda.device_count() < 2:
 pytest.importorskip("nvshmem.core")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from torchrec import EmbeddingBagCollection, PoolingType  # noqa: E402
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType  # noqa: E402
 
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
@@ -177,3 +177,20 @@ def _churn(rank, world_size):
 
 def test_gpu_models_that_come_and_go_leak_no_symmetric_memory():
     run_ranks(_churn, 2, backend="nccl")
+
+
+def _unknown_feature(rank, world_size):
+    dev = torch.device("cuda", rank)
+    tables = make_tables(3, seed=4)
+    _, pgas, tw = _models(rank, world_size, tables, [1, 0, 1], False, seed=4)  # permuted input
+    good = random_kjt(tables, 8, seed=rank).to(dev)
+    assert torch.equal(pgas(good).values(), tw(good).values())
+    keys = good.keys()[:-1] + ["f_unknown"] if rank == 1 else good.keys()
+    bad = KeyedJaggedTensor(keys=keys, values=good.values(), lengths=good.lengths())
+    with pytest.raises(PgasInputError, match=r"rank 1 sent a KJT whose features are not the model's"):
+        pgas(bad)
+    assert torch.equal(pgas(good).values(), tw(good).values())
+
+
+def test_gpu_unknown_feature_raises_on_every_rank_and_next_batch_is_served():
+    run_ranks(_unknown_feature, 2, backend="nccl")

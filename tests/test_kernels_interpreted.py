@@ -139,12 +139,12 @@ def test_source_headers_match_the_oracle(k, seed, problem):
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
     chunks = torch.zeros(W, 4, 3, dtype=torch.int64)
-    dtype_problem = 0 if problem == "dtype" else None
-    if dtype_problem is None:
+    host_problem = (Status.BAD_DTYPE, (0,)) if problem == "dtype" else None
+    if host_problem is None:
         k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
     k.ids_header.ids_header(
         verdict, values, offsets, lengths, weights, rows, owner_features, headers, chunks, B,
-        dtype_problem, layout, 4096,
+        host_problem, layout, 4096,
     )
     expected_headers, expected_sizes = _expected(problem, lengths, values, rows, owner_features, B, layout, weighted)
     assert headers.tolist() == expected_headers

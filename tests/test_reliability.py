@@ -169,6 +169,33 @@ def test_ids_of_a_wrong_dtype_raise_on_every_rank():
     run_ranks(_bad_dtypes, WORLD)
 
 
+# ---------------------------------------------------------- unknown features
+
+
+def _unknown_feature(rank, world_size, owners):
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(len(owners))
+    ]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    model = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
+    keys = [f"f{i}" for i in range(len(owners))]
+    good = KeyedJaggedTensor(keys=keys, values=torch.arange(2 * len(keys)) % 10, lengths=torch.full((2 * len(keys),), 1))
+    model(good).to_dict()
+    # Rank 1 renames its last feature: the plan does not know it.
+    odd = keys[:-1] + ["f_unknown"] if rank == 1 else keys
+    bad = KeyedJaggedTensor(keys=odd, values=good.values(), lengths=good.lengths())
+    with pytest.raises(PgasInputError, match=r"rank 1 sent a KJT whose features are not the model's \(they differ where the plan has 'f\d'; 3 features sent, 3 expected"):
+        model(bad)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+
+
+@pytest.mark.parametrize("owners", [[0, 1, 1], [1, 0, 1]], ids=["in-order", "permuted"])
+def test_a_feature_the_plan_does_not_know_raises_on_every_rank(owners):
+    run_ranks(_unknown_feature, WORLD, owners=owners)
+
+
 # ---------------------------------------------------------------- dead rank
 
 

@@ -22,7 +22,7 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import PgasInputError, attach_route, route_of
+from torchrec_pgas.sharding.tw_base import attach_route, route_of
 
 T = TypeVar("T")
 
@@ -67,13 +67,8 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
 
     def _reordered(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         assert self._order is not None
-        if kjt.keys() != self._input_keys:
-            raise PgasInputError(
-                f"the PGAS input dist got features {kjt.keys()}, the model was first "
-                f"called with {self._input_keys}"
-            )
-        if kjt.variable_stride_per_key():
-            return kjt.permute(self._order.tolist())  # the exchange says why it cannot serve it
+        if kjt.keys() != self._input_keys or kjt.variable_stride_per_key():
+            return kjt  # as it is: the exchange reports it to every rank
         if self._order.device != kjt.device():
             self._order = self._order.to(kjt.device())
         # The values keep their count, so the permuted total is known without a sync.

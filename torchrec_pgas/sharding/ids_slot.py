@@ -37,6 +37,9 @@ class Status(IntEnum):
     VARIABLE_BATCH = 4
     #: detail = (0: ids are not integers, 1: weights are not floating point)
     BAD_DTYPE = 5
+    #: the batch's features are not the plan's; detail = (first position that differs,
+    #: features sent, features expected)
+    UNKNOWN_FEATURES = 6
 
 
 @dataclass
@@ -133,6 +136,13 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
     if header.status == Status.BAD_LENGTHS:
         where = f" (negative length in feature '{features[d[0]].name}')" if d[0] >= 0 else ""
         return f"rank {source} sent a KJT whose lengths and values disagree{where}"
+    if header.status == Status.UNKNOWN_FEATURES:
+        where = f"where the plan has '{features[d[0]].name}'" if d[0] < len(features) else f"at position {d[0]}"
+        return (
+            f"rank {source} sent a KJT whose features are not the model's (they differ "
+            f"{where}; {d[1]} features sent, {d[2]} expected): every batch must carry the "
+            f"features of the first, in the same order"
+        )
     if header.status == Status.BAD_DTYPE:
         what = "ids that are not integers" if d[0] == 0 else "weights that are not floating point"
         return f"rank {source} sent a KJT with {what}"

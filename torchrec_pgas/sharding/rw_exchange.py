@@ -91,7 +91,7 @@ class RwExchange(TwExchange):
 
     def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
         """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
-        if not self._mean_columns or kjt.variable_stride_per_key():
+        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):
             return None
         batch = kjt.stride()
         lengths = kjt.lengths().view(len(self._input_features), batch)

@@ -1,7 +1,7 @@
 """What every table-wise exchange knows from the plan, whatever moves its data."""
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +50,7 @@ class BaseTwExchange:
         self._features_per_rank = [list(f) for f in features_per_rank]
         self._features = [f for fs in self._features_per_rank for f in fs]
         self._input_features = list(input_features or self._features)
+        self._input_keys = [f.name for f in self._input_features]
         self._num_rows = torch.tensor(
             [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=transport.device
         )
@@ -68,13 +69,15 @@ class BaseTwExchange:
     def world_size(self) -> int:
         return self._t.world_size
 
-    def _check_keys(self, keys: Sequence[str]) -> None:
-        expected = [f.name for f in self._input_features]
-        if list(keys) != expected:
-            raise PgasInputError(
-                f"{self._name}: rank {self._t.rank} got features {list(keys)}, "
-                f"the plan expects {expected}"
-            )
+    def _key_problem(self, keys: Sequence[str]) -> Optional[Tuple[int, int, int]]:
+        """``Status.UNKNOWN_FEATURES``'s detail if ``keys`` are not the plan's features
+        in order, else None. Such a batch is still sent (as a bare header), so that
+        every rank raises rather than waits."""
+        expected = self._input_keys
+        if list(keys) == expected:
+            return None
+        first = next((i for i, (a, b) in enumerate(zip(keys, expected)) if a != b), min(len(keys), len(expected)))
+        return first, len(keys), len(expected)
 
     def _raise_for_bad_headers(self, headers: Sequence[Header], step: int) -> None:
         """Raises, naming every source that sent a bad batch; the same on every rank,

@@ -29,7 +29,7 @@ kernels, so the host only enqueues a handful of launches per step:
 import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, List, Sequence
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
@@ -167,13 +167,20 @@ class DeviceTwExchange(BaseTwExchange):
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Puts this rank's ids for the next step into every owner's slot."""
-        self._check_keys(kjt.keys())
         if kjt.variable_stride_per_key():
             raise PgasInputError(f"{self._name}: variable batch per feature is not supported")
         batch = kjt.stride()
         values, weights = kjt.values(), kjt.weights_or_none()
+        # Problems the host sees without looking at the data: the batch is sent as a
+        # bare header, with no rows (batch 0 keeps the kernels off its data).
+        problem: Optional[Tuple[Status, Tuple[int, ...]]] = None
+        key_problem = self._key_problem(kjt.keys())
         dtype_problem = self._dtype_problem(values, weights)
-        if dtype_problem is None:
+        if key_problem is not None:
+            problem, batch = (Status.UNKNOWN_FEATURES, key_problem), 0
+        elif dtype_problem is not None:
+            problem = (Status.BAD_DTYPE, (dtype_problem,))
+        else:
             values = values.to(torch.int64)
             weights = weights.to(torch.float32) if weights is not None else None
         lengths, offsets = kjt.lengths().to(torch.int32), kjt.offsets()
@@ -183,11 +190,11 @@ class DeviceTwExchange(BaseTwExchange):
         assert layout is not None
         self._send_step += 1
         step = self._send_step
-        if dtype_problem is None:
+        if problem is None:
             ids_check(values, offsets, lengths, self._num_rows, self._verdict, batch)
         ids_header(
             self._verdict, values, offsets, lengths, weights, self._num_rows,
-            self._owner_features, self._headers, self._chunks, batch, dtype_problem, layout,
+            self._owner_features, self._headers, self._chunks, batch, problem, layout,
             self._ids_slot_offset(self._me, step),
         )
         put_signal(

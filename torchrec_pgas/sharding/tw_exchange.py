@@ -108,8 +108,11 @@ class TwExchange(BaseTwExchange):
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Puts this rank's ids for the next step into every owner's slot."""
-        self._check_keys(kjt.keys())
-        header = self._check(kjt, kjt.lengths())
+        problem = self._key_problem(kjt.keys())
+        if problem is not None:
+            header = Header(Status.UNKNOWN_FEATURES, 0, 0, False, problem)
+        else:
+            header = self._check(kjt, kjt.lengths())
         if header.status == Status.OK:
             kjt = self._by_owner(kjt)
         lengths = kjt.lengths().to(torch.int32)
