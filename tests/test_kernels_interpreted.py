@@ -1,6 +1,8 @@
 """The GPU path's bookkeeping kernels, run by Triton's interpreter on the CPU against
 plain torch oracles: validation and slot headers at the source (``ids_check``,
-``ids_header``), the lookup layout at the owner (``bag_lengths``, ``gather_ids``).
+``ids_header``), the lookup layout at the owner (``bag_lengths``, ``gather_ids``), and
+the rows' final places (``rows_put``, with this process's tensors standing in for the
+peers' mappings).
 
 The kernels that call NVSHMEM cannot run here (the interpreter has no extern calls);
 ``test_gpu.py`` covers them on the device.
@@ -44,13 +46,13 @@ else:
 
 @pytest.fixture(scope="module")
 def k():
-    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header
+    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header, rows_put
 
     class Kernels:
         pass
 
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
-    Kernels.bag_lengths, Kernels.gather_ids = bag_lengths, gather_ids
+    Kernels.bag_lengths, Kernels.gather_ids, Kernels.rows_put = bag_lengths, gather_ids, rows_put
     return Kernels
 
 
@@ -209,3 +211,35 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed):
         assert torch.equal(indices[: end - begin], ids_all[begin:end]), (lo, hi)
         assert torch.equal(weights[: end - begin], weights_all[begin:end]), (lo, hi)
         assert (indices[end - begin :] == -7).all(), "nothing past the group's ids is written"
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
+    rnd = random.Random(seed)
+    S = rnd.randint(1, 4)
+    dim = rnd.choice([4, 12, 128, 136, 260])  # past BLOCK_D too
+    col = rnd.randint(0, 9)
+    pitch = col + dim + rnd.randint(0, 9)
+    batches = [rnd.choice([0, 1, 31, 32, 33, 70]) for _ in range(S)]
+    cap = max(batches + [1])
+    src = torch.randn(S * cap, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    headers = torch.zeros(S, HEADER_WORDS, dtype=torch.int64)
+    headers[:, 1] = torch.tensor(batches)
+    outs = [torch.full((cap, pitch), -1.0, dtype=dtype) for _ in range(S)]
+    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
+    me = rnd.randrange(4)
+    k.rows_put.rows_put(
+        src, headers[:, 1], torch.tensor([o.data_ptr() for o in outs]),
+        torch.tensor([c.data_ptr() + 8 * me for c in counters]),
+        torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+        cap, pitch, col, 0, 10**9,
+    )
+    for s, b in enumerate(batches):
+        assert torch.equal(outs[s][:b, col : col + dim], src[s * cap : s * cap + b]), s
+        untouched = outs[s].clone()
+        untouched[:b, col : col + dim] = -1.0
+        assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
+        assert int(counters[s][me]) == k.rows_put.programs_per_requester(b)
+        assert int(counters[s].sum()) == int(counters[s][me])
