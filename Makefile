@@ -24,7 +24,7 @@ endif
 DEMO_CHECKPOINT ?= .demo_checkpoint
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install test demo clean
+.PHONY: install test test-gpu bench demo clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# The GPU tests (2 GPUs and nvshmem4py), and the benchmark suite on every GPU (or two
+# CPU processes): OUT/results.{json,md} and OUT/speedup.png.
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests
+
+BENCH_SUITE ?= all
+BENCH_OUT ?= benchmark_results
+bench: install
+	$(TORCHRUN) -m torchrec_pgas.benchmark --suite $(BENCH_SUITE) --out $(BENCH_OUT)
 
 # Train a DLRM with pgas_table_wise on a small file in Criteo's format, then serve its
 # checkpoint under pgas_table_wise and TorchRec's table_wise side by side: on every GPU
