@@ -1,12 +1,12 @@
 """Writes a source's slot headers and the byte ranges ``put_signal`` sends to each owner.
 
-One program. It reads the verdict of ``ids_check`` (and resets it for the next batch),
-decides the batch's status (the same for every owner, so every rank raises the same
-error) and, per owner, where its lengths, ids and weights start in this rank's KJT.
-A batch that is not ``OK`` is sent as its header alone, so owners never see bad ids.
+One program. It reads the verdict of ``ids_check``, decides the batch's status (the
+same for every owner, so every rank raises the same error) and, per owner, where its
+lengths, ids and weights start in this rank's KJT. A batch that is not ``OK`` is sent
+as its header alone, so owners never see bad ids.
 
 Buffers:
-    verdict:         int64 [2]           see ``ids_check`` (reset to ``NONE`` here)
+    verdict:         int64 [2]           see ``ids_check``
     values:          int64 [n_ids]       the KJT's ids
     offsets:         int  [F * batch + 1] the KJT's offsets
     num_rows:        int64 [F]           rows of each feature's table
@@ -82,8 +82,6 @@ def ids_header_kernel(
 
     bad_pos = tl.load(verdict_ptr)
     negative_pos = tl.load(verdict_ptr + 1)
-    tl.store(verdict_ptr, NONE)
-    tl.store(verdict_ptr + 1, NONE)
     feature = num_features * 0
     for f in range(num_features):
         feature = tl.where(tl.load(offsets_ptr + f * batch) <= bad_pos, f, feature)

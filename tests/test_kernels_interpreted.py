@@ -158,7 +158,6 @@ def test_source_headers_match_the_oracle(k, seed, problem):
         assert int(chunks[w, 0, 1]) == lengths.data_ptr() + f0 * B * 4
         assert int(chunks[w, 1, 1]) == values.data_ptr() + int(offsets[f0 * B]) * 8
         assert int(chunks[w, 3, 1]) == headers.data_ptr() + w * HEADER_WORDS * 8
-    assert verdict.tolist() == [k.ids_check.NONE] * 2, "the verdict is reset for the next batch"
 
 
 @_interpreted

@@ -224,3 +224,26 @@ def _planner(rank, world_size):
 
 def test_stock_planner_and_dmp_without_sharders_after_register():
     run_ranks(_planner, 2)
+
+
+def _abandoned(rank, world_size):
+    from torchrec_pgas.transport import PgasError
+
+    tables = make_tables(3, seed=7)
+    ref, pgas, _ = _models(world_size, tables, [1, 0, 1], False, seed=7)
+    sharded = pgas.module.ebc
+    # A pipeline starts input dists and drops them (an eval loop after training, a
+    # pipeline detached or re-attached): later batches must still get their own ids.
+    stale = [random_kjt(tables, 5, 100 + 10 * i + rank) for i in range(3)]
+    pending = sharded.input_dist(sharded.create_context(), stale[0])
+    for step in range(4):
+        for kjt in stale[: step % 3]:
+            sharded.input_dist(sharded.create_context(), kjt)
+        kjt = random_kjt(tables, 3 + rank, 10 * step + rank)
+        assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+    with pytest.raises(PgasError, match="received already or dropped for a later batch"):
+        pending.wait().wait()
+
+
+def test_batches_whose_input_dist_was_dropped_do_not_shift_later_ones():
+    run_ranks(_abandoned, 2)

@@ -11,7 +11,6 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_pgas.sharding.dists import PgasSparseFeaturesDist
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
@@ -27,21 +26,6 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # options, before nn.Module.__init__ has run: bypass Module.__setattr__.
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
-
-    def _create_input_dist(self, input_feature_names: List[str]) -> None:
-        super()._create_input_dist(input_feature_names)
-        # TorchRec orders the features for its shardings with KeyedJaggedTensor.permute,
-        # which reads every feature's id count back to the host (a sync per batch).
-        # A PGAS sharding that gets every feature permutes by itself, without one.
-        (dist,) = self._input_dists if len(self._input_dists) == 1 else (None,)
-        if (
-            self._has_features_permute
-            and isinstance(dist, PgasSparseFeaturesDist)
-            and not self._has_mean_pooling_callback
-        ):
-            dist.take_input_order(list(input_feature_names), self._features_order)
-            self._has_features_permute = False
-            self._features_order = []
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

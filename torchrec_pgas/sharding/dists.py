@@ -6,7 +6,7 @@ ids, how pooled rows come back) is the exchange they are given (``tw_exchange``,
 ``exchange_pooled`` and ``exchange_grads``.
 """
 
-from typing import Any, List, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
@@ -41,12 +41,13 @@ class _Done(Awaitable[T]):
 class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
     """Waits for every source's ids of the step and forms the lookup's KJT."""
 
-    def __init__(self, exchange: Any) -> None:
+    def __init__(self, exchange: Any, step: int) -> None:
         super().__init__()
         self._exchange = exchange
+        self._step = step
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        return self._exchange.recv_ids()
+        return self._exchange.recv_ids(self._step)
 
 
 class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
@@ -55,38 +56,12 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def __init__(self, exchange: Any) -> None:
         super().__init__()
         self._exchange = exchange
-        self._input_keys: Optional[List[str]] = None
-        self._order: Optional[torch.Tensor] = None
-
-    def take_input_order(self, input_keys: List[str], order: List[int]) -> None:
-        """Makes the dist take batches with ``input_keys``, of which the sharding's
-        features are ``order``, and reorder them itself."""
-        self._input_keys = list(input_keys)
-        self._order = torch.tensor(order, dtype=torch.int32)
-        self._keys = [input_keys[i] for i in order]
-
-    def _reordered(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        assert self._order is not None
-        if kjt.keys() != self._input_keys or kjt.variable_stride_per_key():
-            return kjt  # as it is: the exchange reports it to every rank
-        if self._order.device != kjt.device():
-            self._order = self._order.to(kjt.device())
-        # The values keep their count, so the permuted total is known without a sync.
-        lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            self._order, kjt.lengths().view(len(self._input_keys), -1), kjt.values(),
-            kjt.weights_or_none(), kjt.values().numel(),
-        )
-        return KeyedJaggedTensor(
-            keys=self._keys, values=values, weights=weights, lengths=lengths.view(-1), stride=kjt.stride()
-        )
 
     def forward(
         self, sparse_features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        if self._order is not None:
-            sparse_features = self._reordered(sparse_features)
-        self._exchange.send_ids(sparse_features)
-        return _Done(_ReceiveIds(self._exchange))
+        step = self._exchange.send_ids(sparse_features)
+        return _Done(_ReceiveIds(self._exchange, step))
 
 
 class _ExchangePooled(torch.autograd.Function):

@@ -35,11 +35,19 @@ class Status(IntEnum):
     BAD_LENGTHS = 3
     #: the KJT has a variable batch size per feature (VBE), which is not supported
     VARIABLE_BATCH = 4
-    #: detail = (0: ids are not integers, 1: weights are not floating point)
+    #: detail = (a ``BadDtype``)
     BAD_DTYPE = 5
     #: the batch's features are not the plan's; detail = (first position that differs,
     #: features sent, features expected)
     UNKNOWN_FEATURES = 6
+
+
+class BadDtype(IntEnum):
+    """What ``Status.BAD_DTYPE`` reports."""
+
+    IDS_NOT_INTEGERS = 0
+    WEIGHTS_NOT_FLOATING = 1
+    NO_WEIGHTS = 2
 
 
 @dataclass
@@ -144,7 +152,11 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
             f"features of the first, in the same order"
         )
     if header.status == Status.BAD_DTYPE:
-        what = "ids that are not integers" if d[0] == 0 else "weights that are not floating point"
+        what = {
+            BadDtype.IDS_NOT_INTEGERS: "ids that are not integers",
+            BadDtype.WEIGHTS_NOT_FLOATING: "weights that are not floating point",
+            BadDtype.NO_WEIGHTS: "no per-sample weights, for weighted tables",
+        }[BadDtype(d[0])]
         return f"rank {source} sent a KJT with {what}"
     return (
         f"rank {source} sent a KJT with a variable batch size per feature, which the "

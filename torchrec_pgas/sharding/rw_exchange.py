@@ -85,9 +85,9 @@ class RwExchange(TwExchange):
         )
         return bucketized
 
-    def send_ids(self, kjt: KeyedJaggedTensor) -> None:
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
         self._divisors.append(self._divisor(kjt))
-        super().send_ids(kjt)
+        return super().send_ids(kjt)
 
     def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
         """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
@@ -100,9 +100,14 @@ class RwExchange(TwExchange):
             divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
         return divisor
 
-    def recv_ids(self) -> KeyedJaggedTensor:
+    def _drop_next(self) -> None:
+        super()._drop_next()
+        self._divisors.popleft()
+
+    def recv_ids(self, step: int) -> KeyedJaggedTensor:
+        self._catch_up(step)
         try:
-            return super().recv_ids()
+            return super().recv_ids(step)
         finally:
             # This step's divisor is consumed whether or not the step could be served.
             self._divisors.popleft()

@@ -8,9 +8,11 @@ optimizers behave identically. Only the two collectives are replaced: see
 ``tw_exchange`` for the algorithm.
 """
 
+import os
 from typing import Any, List
 
 import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
@@ -57,5 +59,9 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             transport=transport,  # type: ignore[arg-type]
             group_sizes=[c.num_features() for c in configs],
             weighted=any(c.is_weighted for c in configs),
+            # Caching kernels prefetch over the whole index tensor, and FBGEMM's bounds
+            # check may be forced on from the environment: both read past the bags.
+            lookup_reads_only_bags=all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
+            and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
             **args,
         )

@@ -5,8 +5,9 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status, describe
+from torchrec_pgas.sharding.ids_slot import BadDtype, Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import PgasError, Transport
+from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 
 
 class PgasInputError(PgasError, ValueError):
@@ -91,13 +92,38 @@ class BaseTwExchange:
         if errors:
             raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
 
+    # ------------------------------------------------ steps sent but not received
+
+    def _drop_next(self) -> None:
+        """Receives the next step and releases its slots without a lookup."""
+        raise NotImplementedError
+
+    def _make_room(self) -> None:
+        """Before a send: a step sent ``DEPTH`` sends ago and still not received was
+        abandoned (a pipeline dropped its batch: TorchRec's pipelines keep at most one
+        batch in flight), and the new send would wait for its slots forever."""
+        while self._send_step - self._recv_step >= DEFAULT_DEPTH:
+            self._drop_next()
+
+    def _catch_up(self, step: int) -> None:
+        """Before receiving ``step``: drops the steps sent before it that nobody will
+        receive, so a batch never gets another batch's ids."""
+        if step <= self._recv_step:
+            raise PgasError(
+                f"{self._name}: rank {self._t.rank} waited for the ids of step {step}, which "
+                f"were received already or dropped for a later batch (at most "
+                f"{DEFAULT_DEPTH - 1} batch may wait between its input dist and its lookup)"
+            )
+        while self._recv_step + 1 < step:
+            self._drop_next()
+
     @staticmethod
     def _dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
         """``Status.BAD_DTYPE``'s detail for this batch, or None if its dtypes are fine."""
         if values.dtype not in (torch.int32, torch.int64):
-            return 0
+            return BadDtype.IDS_NOT_INTEGERS
         if weights is not None and not weights.is_floating_point():
-            return 1
+            return BadDtype.WEIGHTS_NOT_FLOATING
         return None
 
 

@@ -43,8 +43,8 @@ from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
@@ -100,6 +100,7 @@ class DeviceTwExchange(BaseTwExchange):
         transport: NvshmemTransport,
         group_sizes: Sequence[int],
         weighted: bool,
+        lookup_reads_only_bags: bool,
         **plan: Any,
     ) -> None:
         super().__init__(transport, **plan)
@@ -108,6 +109,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._counts = [len(f) for f in self._features_per_rank]
         self._group_sizes = list(group_sizes)
         self._weighted = weighted
+        self._exact_always = not lookup_reads_only_bags
         self._me = transport.rank
         self._all = torch.arange(transport.world_size, dtype=torch.int32, device=self._dev)
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
@@ -140,7 +142,6 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads = t._tensor((depth * world * self._grad_slot,), torch.uint8)
         self._grads_ready = t._tensor((world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
-        self._verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
         # Per-step constants, built once: every small tensor op is host time on the
         # critical path of a step.
         self._out_addrs = [self._out.peers + g * self._out_slot for g in range(depth)]
@@ -150,8 +151,6 @@ class DeviceTwExchange(BaseTwExchange):
             self._out.local[g * self._out_slot : (g + 1) * self._out_slot].view(self._out_dtype).view(rows, self._dim_total)
             for g in range(depth)
         ]
-        self._headers = torch.zeros(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
-        self._chunks = torch.zeros(world, 4, 3, dtype=torch.int64, device=self._dev)
         # When the model goes, its buffers go back to the transport.
         symmetric = [self._ids, self._ids_ready, self._ids_free, self._out.local, self._out_count.local,
                      self._out_free, self._grads, self._grads_ready, self._grads_free]
@@ -165,21 +164,24 @@ class DeviceTwExchange(BaseTwExchange):
 
     # ------------------------------------------------------------ ids forward
 
-    def send_ids(self, kjt: KeyedJaggedTensor) -> None:
-        """Puts this rank's ids for the next step into every owner's slot."""
-        if kjt.variable_stride_per_key():
-            raise PgasInputError(f"{self._name}: variable batch per feature is not supported")
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+        """Puts this rank's ids for the next step into every owner's slot; returns the
+        step."""
         batch = kjt.stride()
         values, weights = kjt.values(), kjt.weights_or_none()
         # Problems the host sees without looking at the data: the batch is sent as a
-        # bare header, with no rows (batch 0 keeps the kernels off its data).
+        # bare header, so that every rank raises (batch 0 keeps the kernels off it).
         problem: Optional[Tuple[Status, Tuple[int, ...]]] = None
         key_problem = self._key_problem(kjt.keys())
         dtype_problem = self._dtype_problem(values, weights)
         if key_problem is not None:
             problem, batch = (Status.UNKNOWN_FEATURES, key_problem), 0
+        elif kjt.variable_stride_per_key():
+            problem, batch = (Status.VARIABLE_BATCH, ()), 0
         elif dtype_problem is not None:
             problem = (Status.BAD_DTYPE, (dtype_problem,))
+        elif self._weighted and weights is None:
+            problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,))
         else:
             values = values.to(torch.int64)
             weights = weights.to(torch.float32) if weights is not None else None
@@ -188,28 +190,42 @@ class DeviceTwExchange(BaseTwExchange):
             self._allocate(batch, offsets)
         layout = self._layout
         assert layout is not None
+        self._make_room()
         self._send_step += 1
         step = self._send_step
+        # Fresh per send: the caching allocator keeps them stream-safe, should sends
+        # come from several streams (a training and an evaluation pipeline).
+        world = self._t.world_size
+        verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
+        headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
+        chunks = torch.empty(world, 4, 3, dtype=torch.int64, device=self._dev)
         if problem is None:
-            ids_check(values, offsets, lengths, self._num_rows, self._verdict, batch)
+            ids_check(values, offsets, lengths, self._num_rows, verdict, batch)
         ids_header(
-            self._verdict, values, offsets, lengths, weights, self._num_rows,
-            self._owner_features, self._headers, self._chunks, batch, problem, layout,
-            self._ids_slot_offset(self._me, step),
+            verdict, values, offsets, lengths, weights, self._num_rows, self._owner_features,
+            headers, chunks, batch, problem, layout, self._ids_slot_offset(self._me, step),
         )
         put_signal(
-            self._all, self._chunks, self._ids, self._ids_ready, self._ids_free, self._t.err,
+            self._all, chunks, self._ids, self._ids_ready, self._ids_free, self._t.err,
             self._me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
         )
         self._my_batches.append(batch if batch <= layout.batch_capacity else 0)
+        return step
 
-    def recv_ids(self) -> LookupBatch:
-        """Enqueues the wait for every source's slot of the next step and lays out the
+    def _drop_next(self) -> None:
+        self._recv_step += 1
+        step = self._recv_step
+        signal_wait(self._ids_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        self._signal(self._all, self._ids_free, step)
+        self._my_batches.popleft()
+
+    def recv_ids(self, step: int) -> LookupBatch:
+        """Enqueues the wait for every source's slot of ``step`` and lays out the
         owner's lookup batch (see the module docstring)."""
         layout = self._layout
         assert layout is not None, "recv_ids before send_ids"
-        self._recv_step += 1
-        step = self._recv_step
+        self._catch_up(step)
+        self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
         signal_wait(self._ids_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
         base = self._ids_slot_offset(0, step)
@@ -222,7 +238,7 @@ class DeviceTwExchange(BaseTwExchange):
             bags = [f * world * cap for f in self._group_first + [len(features)]]
             # FBGEMM's backward sorts the whole index tensor: under autograd it must
             # hold exactly the batch's ids, the one size this rank then reads back.
-            exact = torch.is_grad_enabled()
+            exact = self._exact_always or torch.is_grad_enabled()
             if exact:
                 at = offsets[bags].tolist()
             for g, (first, size) in enumerate(zip(self._group_first, self._group_sizes)):

@@ -106,8 +106,9 @@ class TwExchange(BaseTwExchange):
         already so, as TorchRec orders the sharding's features by rank)."""
         return kjt
 
-    def send_ids(self, kjt: KeyedJaggedTensor) -> None:
-        """Puts this rank's ids for the next step into every owner's slot."""
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+        """Puts this rank's ids for the next step into every owner's slot; returns the
+        step."""
         problem = self._key_problem(kjt.keys())
         if problem is not None:
             header = Header(Status.UNKNOWN_FEATURES, 0, 0, False, problem)
@@ -130,6 +131,7 @@ class TwExchange(BaseTwExchange):
         if header.status == Status.OK and not layout.fits(batch, max(ids_per_owner)):
             header = Header(Status.OVER_CAPACITY, batch, 0, False, (batch, max(ids_per_owner)))
 
+        self._make_room()
         self._send_step += 1
         step = self._send_step
         ok = header.status == Status.OK
@@ -154,13 +156,22 @@ class TwExchange(BaseTwExchange):
                         box.buffer, owner, base + layout.weights_offset, w.to(torch.float32)
                     )
             box.end_send(owner, step)
+        return step
 
-    def recv_ids(self) -> KeyedJaggedTensor:
-        """Waits for every source's slot of the next step; returns the owner's KJT."""
+    def _drop_next(self) -> None:
+        box = self._ids
+        assert box is not None
+        self._recv_step += 1
+        for source in range(self._t.world_size):
+            box.wait(source, self._recv_step)
+            box.release(source, self._recv_step)
+
+    def recv_ids(self, step: int) -> KeyedJaggedTensor:
+        """Waits for every source's slot of ``step``; returns the owner's KJT."""
         box, layout = self._ids, self._layout
         assert box is not None and layout is not None, "recv_ids before send_ids"
-        self._recv_step += 1
-        step = self._recv_step
+        self._catch_up(step)
+        self._recv_step = step
         me = self._t.rank
         features = self._features_per_rank[me]
         nf = len(features)

@@ -129,6 +129,10 @@ class NvshmemTransport(Transport):
         self._live.append(t)
         return t
 
+    def _forget(self, t: torch.Tensor) -> None:
+        # By identity: list.remove would compare tensors element-wise.
+        self._live = [x for x in self._live if x is not t]
+
     def retire(self, tensors: List[torch.Tensor]) -> None:
         """Hands back symmetric tensors that are no longer used (when their model is
         garbage collected). Freeing is collective, so it waits for ``reclaim``."""
@@ -145,7 +149,7 @@ class NvshmemTransport(Transport):
             torch.cuda.synchronize(self.device)
             self.barrier()
             for t in self._retired[:n]:
-                self._live.remove(t)
+                self._forget(t)
                 self._nvshmem.free_tensor(t)
             del self._retired[:n]
 
@@ -184,7 +188,7 @@ class NvshmemTransport(Transport):
     def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
         torch.cuda.synchronize(self.device)
         self.barrier()
-        self._live.remove(obj.handle)
+        self._forget(obj.handle)
         self._nvshmem.free_tensor(obj.handle)
 
     def _put_chunks(self, buf, peer, offset, src, rows, row_bytes, row_pitch) -> None:
