@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from data import random_batches
-from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, finish, init_distributed, shard
 
 
 def parse() -> argparse.Namespace:
@@ -84,7 +84,7 @@ def main() -> None:
             diff = max(float((a - b).abs().max()) for a, b in zip(first, predictions[other]))
             verdict = "identical" if diff == 0 else f"differ by at most {diff:.2e}"
             print(f"predictions of {shardings[0]} and {other}: {verdict}")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from data import criteo_batches, random_batches
-from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, finish, init_distributed, shard
 
 
 def parse() -> argparse.Namespace:
@@ -89,7 +89,7 @@ def main() -> None:
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval AUROC {score:.4f}, "
             f"{rate:,.0f} samples/s" + (f", checkpoint in {args.checkpoint}" if args.checkpoint else "")
         )
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

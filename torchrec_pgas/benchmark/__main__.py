@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import floor, report, timing, workload
+from torchrec_pgas.benchmark import finish, floor, report, timing, workload
 from torchrec_pgas.benchmark.config import Config, add_config_args, base_config, scenarios
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
@@ -126,7 +126,7 @@ def main() -> None:
         hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
         meta = {"hardware": hardware, "iters": args.iters, "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:])}
         report.write(rows, meta, args.out)
-    dist.destroy_process_group()
+    finish()
 
 
 def _short(scenario: str, cfg: Config) -> str:

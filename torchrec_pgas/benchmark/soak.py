@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import workload
+from torchrec_pgas.benchmark import finish, workload
 from torchrec_pgas.benchmark.config import add_config_args, base_config
 
 
@@ -111,7 +111,7 @@ def main() -> None:
             json.dump({"args": vars(args), "world": world, "steps": steps, "windows": windows,
                        "checks": int(counts[1]), "mismatches": int(counts[0])}, f, indent=1)
         _plot(windows, f"{args.out}.png")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class DeviceTwExchange(BaseTwExchange):
         # When the model goes, its buffers go back to the transport.
         symmetric = [self._ids, self._ids_ready, self._ids_free, self._out.local, self._out_count.local,
                      self._out_free, self._grads, self._grads_ready, self._grads_free]
-        weakref.finalize(self, t.retire, symmetric)
+        weakref.finalize(self, t.retire, t.owner_id(), symmetric)
         torch.cuda.synchronize(self._dev)
         t.barrier()
 

@@ -8,7 +8,7 @@ a ``PgasTimeoutError`` on the host.
 """
 
 import logging
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,8 @@ class NvshmemTransport(Transport):
         raise_unless_every_rank_ready(pg, problem)
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
-        self._retired: List[torch.Tensor] = []
+        self._retired: Dict[int, List[torch.Tensor]] = {}
+        self._owners = 0
         self.err = self._tensor((4,), torch.int64)
         # Targets for the interface's plain puts and signals, whose kernel always
         # sets a signal word and takes a destination buffer.
@@ -133,25 +134,31 @@ class NvshmemTransport(Transport):
         # By identity: list.remove would compare tensors element-wise.
         self._live = [x for x in self._live if x is not t]
 
-    def retire(self, tensors: List[torch.Tensor]) -> None:
-        """Hands back symmetric tensors that are no longer used (when their model is
-        garbage collected). Freeing is collective, so it waits for ``reclaim``."""
-        self._retired.extend(tensors)
+    def owner_id(self) -> int:
+        """A number for a new owner of symmetric tensors (call it where every rank
+        allocates, in the same order on every rank)."""
+        self._owners += 1
+        return self._owners
+
+    def retire(self, owner: int, tensors: List[torch.Tensor]) -> None:
+        """Hands back the symmetric tensors of ``owner`` (when its model is garbage
+        collected). Freeing is collective, so it waits for ``reclaim``."""
+        self._retired[owner] = tensors
 
     def reclaim(self) -> None:
-        """Frees the retired tensors (collective: call it where every rank allocates,
-        such as a new model's first batch). Ranks free as many as every rank has
-        retired, in the order they were retired."""
-        count = torch.tensor([len(self._retired)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)
-        n = int(count)
-        if n:
+        """Frees what every rank has retired (collective: call it where every rank
+        allocates, such as a new model's first batch), owner by owner in order, so the
+        ranks' heaps stay the same whatever order their garbage collectors ran in."""
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, sorted(self._retired), group=self.group)
+        common = sorted(set.intersection(*(set(ids) for ids in everyone)))
+        if common:
             torch.cuda.synchronize(self.device)
             self.barrier()
-            for t in self._retired[:n]:
-                self._forget(t)
-                self._nvshmem.free_tensor(t)
-            del self._retired[:n]
+            for owner in common:
+                for t in self._retired.pop(owner):
+                    self._forget(t)
+                    self._nvshmem.free_tensor(t)
 
     def _check_peer_access(self) -> None:
         probe = self._tensor((1,), torch.int64)
