@@ -114,9 +114,11 @@ def shard(
     sharder: Any,
     device: torch.device = torch.device("cpu"),
     pg: Optional[dist.ProcessGroup] = None,
+    wrapper: Callable[[EmbeddingBagCollection], nn.Module] = None,
 ) -> DistributedModelParallel:
-    """A DMP of a copy of ``ref`` placed by ``placement`` (table -> generator), with
-    ``ref``'s weights, on ``device`` over ``pg`` (default: the world group)."""
+    """A DMP of ``wrapper`` (default ``Wrapper``) around a copy of ``ref`` placed by
+    ``placement`` (table -> generator), with ``ref``'s weights, on ``device`` over
+    ``pg`` (default: the world group)."""
     plan = construct_module_sharding_plan(
         ref,
         per_param_sharding=placement,
@@ -125,7 +127,7 @@ def shard(
         device_type=device.type,
         sharder=sharder,
     )
-    model = Wrapper(copy.deepcopy(ref))
+    model = (wrapper or Wrapper)(copy.deepcopy(ref))
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),

@@ -2,12 +2,14 @@
 against the unsharded EmbeddingBagCollection and TorchRec's own table_wise."""
 
 import functools
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
 
 from dist_utils import (
@@ -247,3 +249,46 @@ def _abandoned(rank, world_size):
 
 def test_batches_whose_input_dist_was_dropped_do_not_shift_later_ones():
     run_ranks(_abandoned, 2)
+
+
+class _TrainStep(nn.Module):
+    """What TrainPipelineSparseDist runs: a batch's (loss, output). The loss is zero, so
+    the weights stay as they were and the reference stays valid."""
+
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        return (pooled * 0).sum(), pooled
+
+
+def _pipeline_then_direct(rank, world_size):
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    tables = make_tables(3, seed=9)
+    torch.manual_seed(9)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    model = shard(ref, tw_placement(tables, [1, 0, 1], pgas_tw), world_size, sharder, wrapper=_TrainStep)
+
+    def endless():
+        for i in itertools.count():
+            kjt = random_kjt(tables, 4, 10 * i + rank)
+            yield Batch(dense_features=torch.zeros(4, 1), sparse_features=kjt, labels=torch.zeros(4))
+
+    pipeline = TrainPipelineSparseDist(model, model.fused_optimizer, torch.device("cpu"))
+    batches = endless()
+    for _ in range(3):
+        pipeline.progress(batches)
+    # The pipeline had started the next batch's input dist; it is never waited for.
+    pipeline.detach()
+    for step in range(3):
+        kjt = random_kjt(tables, 2 + rank, 1000 + 10 * step + rank)
+        assert_close_to_reference(model.module.ebc(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+
+
+def test_direct_calls_after_a_training_pipeline_get_their_own_ids():
+    run_ranks(_pipeline_then_direct, 2)
