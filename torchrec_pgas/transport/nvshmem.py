@@ -245,7 +245,7 @@ class NvshmemTransport(Transport):
             what = _WHAT.get(record[2], "a signal")
             raise PgasTimeoutError(
                 f"rank {self.rank}: timed out after {self._timeout_s:.1f} s on the GPU waiting "
-                f"for {what} from rank {record[1]} (step {record[3]})"
+                f"for {what} from rank {record[1]} (a signal of at least {record[3]})"
                 + (f" in {context}" if context else "")
             )
 
