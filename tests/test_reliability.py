@@ -196,6 +196,29 @@ def test_a_feature_the_plan_does_not_know_raises_on_every_rank(owners):
     run_ranks(_unknown_feature, WORLD, owners=owners)
 
 
+def _variable_batch(rank, world_size):
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    model = shard(ref, tw_placement(tables, [0, 1], pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
+    good = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    model(good).to_dict()
+    vbe = KeyedJaggedTensor(
+        keys=["f0", "f1"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+        stride_per_key_per_rank=[[1], [2]],
+    )
+    with pytest.raises(PgasInputError, match="rank 1 sent a KJT with a variable batch size per feature"):
+        model(vbe if rank == 1 else good)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+
+
+def test_variable_batch_per_feature_raises_on_every_rank():
+    run_ranks(_variable_batch, WORLD)
+
+
 # ---------------------------------------------------------------- dead rank
 
 
