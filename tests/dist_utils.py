@@ -161,6 +161,8 @@ def reference_pooled(
 ) -> Dict[str, torch.Tensor]:
     """Pooled embeddings per feature in float64, bag by bag: the independent oracle
     (the unsharded module has no weighted mean pooling)."""
+    if kjt.stride() == 0:  # KeyedJaggedTensor.to_dict cannot split an empty batch
+        return {f: torch.zeros(0, t.embedding_dim, dtype=torch.float64) for t in tables for f in t.feature_names}
     out = {}
     jt = kjt.to_dict()
     for t in tables:

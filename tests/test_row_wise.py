@@ -40,14 +40,15 @@ def _forward(rank, world_size, pooling, weighted, batch_sizes):
         (2, PoolingType.MEAN, False, [3, 6]),
         (3, PoolingType.SUM, True, [4, 1, 3]),
         (3, PoolingType.MEAN, True, [2, 5, 4]),
+        (3, PoolingType.MEAN, False, [3, 0, 2]),
     ],
-    ids=["w2-sum", "w2-mean", "w3-weighted", "w3-mean-weighted"],
+    ids=["w2-sum", "w2-mean", "w3-weighted", "w3-mean-weighted", "w3-empty-batch"],
 )
 def test_forward_matches_the_float64_reference(world_size, pooling, weighted, batch_sizes):
     run_ranks(_forward, world_size, pooling=pooling, weighted=weighted, batch_sizes=batch_sizes)
 
 
-def _train(rank, world_size, pooling):
+def _train(rank, world_size, pooling, batch_sizes):
     """EXACT_SGD on pgas_row_wise against plain SGD on the unsharded module, fed every
     rank's batch: the same update up to float rounding."""
     lr = 0.1
@@ -59,13 +60,15 @@ def _train(rank, world_size, pooling):
     oracle = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     oracle.load_state_dict(ref.state_dict())
     for step in range(4):
-        kjts = [random_kjt(tables, 3 + r, seed=1000 * step + r) for r in range(world_size)]
+        kjts = [random_kjt(tables, batch_sizes[r], seed=1000 * step + r) for r in range(world_size)]
         g = torch.Generator().manual_seed(step)
         targets = {f"f{i}": torch.randn(10, t.embedding_dim, generator=g) for i, t in enumerate(tables)}
         kt = model(kjts[rank]).to_dict()
         sum((kt[k] * targets[k][: kt[k].size(0)]).sum() for k in kt).backward()
         oracle.zero_grad()
         for r, kjt in enumerate(kjts):  # TorchRec divides by the world size, as DDP does
+            if kjt.stride() == 0:
+                continue  # an empty batch adds nothing (and TorchRec's EBC cannot take one)
             okt = oracle(kjt).to_dict()
             (sum((okt[k] * targets[k][: okt[k].size(0)]).sum() for k in okt) / world_size).backward()
         with torch.no_grad():
@@ -77,9 +80,30 @@ def _train(rank, world_size, pooling):
         assert not torch.equal(trained[name], ref.state_dict()[name]), f"{name} was not trained"
 
 
-@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_training_matches_sgd_on_the_unsharded_module(pooling):
-    run_ranks(_train, 2, pooling=pooling)
+@pytest.mark.parametrize(
+    "pooling,batch_sizes",
+    [(PoolingType.SUM, [3, 4]), (PoolingType.MEAN, [3, 4]), (PoolingType.MEAN, [3, 0, 2])],
+    ids=["sum", "mean", "mean-w3-empty-batch"],
+)
+def test_training_matches_sgd_on_the_unsharded_module(pooling, batch_sizes):
+    run_ranks(_train, len(batch_sizes), pooling=pooling, batch_sizes=batch_sizes)
+
+
+def _empty_shard(rank, world_size):
+    from torchrec import EmbeddingBagConfig
+
+    # ceil(4 / 3) = 2 rows per rank: rank 2 holds none of t0, whose dim differs from t1's.
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=4, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f1"]),
+    ]
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"table\(s\) \['t0'\] get no rows on rank 2"):
+        shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
+
+
+def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
+    run_ranks(_empty_shard, 3)
 
 
 def _checkpoint(rank, world_size, path):

@@ -7,6 +7,8 @@ with it; the bucketize + all-to-all and the reduce-scatter are replaced by the
 exchange in ``rw_exchange``. Host transport only for now: on GPUs it raises.
 """
 
+from typing import Any, List
+
 import torch
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
@@ -16,7 +18,25 @@ from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature
 from torchrec_pgas.transport import PgasTransportUnavailableError, get_transport
-from torchrec_pgas.types import PGAS_ROW_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
+
+
+def _refuse_empty_shards_beside_other_dims(configs_per_rank: List[List[Any]]) -> None:
+    """Row blocks are ``ceil(rows / world)``, so a small table can leave a rank no rows.
+    FBGEMM's CPU backward then updates the wrong rows of the other tables of that
+    lookup group when their dims differ (the forward is right): refuse such plans, on
+    every rank, rather than train silently wrong."""
+    for rank, configs in enumerate(configs_per_rank):
+        for config in configs:
+            tables = config.embedding_tables
+            empty = [t.name for t in tables if t.local_rows == 0]
+            if empty and len({t.local_cols for t in tables}) > 1:
+                raise ValueError(
+                    f"{PGAS_ROW_WISE}: table(s) {empty} get no rows on rank {rank} (row blocks "
+                    f"are ceil(rows / world size)) and share a lookup with tables of other "
+                    f"dims, which FBGEMM's CPU backward updates wrongly; give those tables "
+                    f"at least as many rows as ranks, or shard them {PGAS_TABLE_WISE}"
+                )
 
 
 class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding):
@@ -26,6 +46,10 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
     pgas_name = PGAS_ROW_WISE
     # FBGEMM then pools mean tables by sum: partial means could not be added.
     lookup_sharding_type = ShardingType.ROW_WISE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
 
     def _make_exchange(self, device: torch.device) -> RwExchange:
         if device.type != "cpu":

@@ -131,7 +131,7 @@ class RwExchange(TwExchange):
         out = torch.zeros(batch, self._dim_total, dtype=self._out_dtype)
         for owner in range(self._t.world_size):
             box.wait(owner, step)
-            out += box.slot(owner, step)[: batch * self._dim_total * self._elem].view(self._out_dtype).view(batch, -1)
+            out += box.slot(owner, step)[: batch * self._dim_total * self._elem].view(self._out_dtype).view(batch, self._dim_total)
             box.release(owner, step)
         return out
 
@@ -153,6 +153,6 @@ class RwExchange(TwExchange):
         for source, batch in enumerate(route.batch_sizes):
             box.wait(source, step)
             nbytes = batch * self._dim_total * self._elem
-            blocks.append(box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, -1).clone())
+            blocks.append(box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dim_total).clone())
             box.release(source, step)
         return torch.cat(blocks)

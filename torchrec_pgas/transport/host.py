@@ -140,7 +140,10 @@ class HostTransport(Transport):
         # Every rank has mapped every file and initialized its locks: the files
         # themselves are no longer needed.
         self.barrier()
-        os.unlink(own)
+        try:
+            os.unlink(own)
+        except FileNotFoundError:  # swept by a rank that cannot see this pid
+            pass
         self._unlinked_pending.discard(own)
         # Nothing else holds the mapping: it is unmapped when its buffer is dropped.
         return _Mapping(peers=peers, maps=maps)
