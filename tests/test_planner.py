@@ -310,3 +310,4 @@ def test_pgas_row_wise_is_laid_out_like_row_wise():
 
     assert torchrec_layout("pgas_row_wise") == "row_wise"
     assert PGAS_LAYOUTS["pgas_row_wise"].abbreviation == "PRW"
+

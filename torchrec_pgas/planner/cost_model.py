@@ -1,4 +1,5 @@
-r"""Perf model of ``pgas_table_wise`` for TorchRec's ``EmbeddingPerfEstimator``.
+r"""Perf models of ``pgas_table_wise`` and ``pgas_row_wise`` for TorchRec's
+``EmbeddingPerfEstimator``.
 
 The lookup itself is the table-wise lookup, so the compute terms (``fwd_compute``,
 ``bwd_compute``, ``prefetch_compute``) are TorchRec's table-wise ones, computed on a
@@ -40,6 +41,12 @@ on one host and the inter-host one across hosts; since ``T_put`` never exceeds t
 ``pgas_table_wise`` shard costs less than the same ``table_wise`` shard whenever
 ``min(T_put, compute) > T_sig``, i.e. for all but tiny tables on many ranks, where the
 signals are what it pays for and the planner rightly keeps ``table_wise``.
+
+``pgas_row_wise`` uses the same terms on TorchRec's row-wise sizes (its compute terms
+and ``output_write_size``, computed as for ``row_wise``): the ids go to their row
+blocks' owners by puts, partial sums come back by puts in place of the reduce-scatter,
+and the whole gradient goes to every owner by puts in place of the all-gather (whose
+batched copy it does not need). The owner's lookup overlaps the puts as in table-wise.
 """
 
 from dataclasses import replace
@@ -64,19 +71,20 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 SIGNAL_LATENCY_MS: float = 1e-4
 
 
-class PgasTableWiseEvaluator(TableWiseEvaluator):
-    """TorchRec perf evaluator for ``pgas_table_wise`` (see the module docstring)."""
+class _PgasComms:
+    """The PGAS communication terms (see the module docstring) on top of the TorchRec
+    evaluator of the same layout, whose compute terms and sizes they keep."""
 
     def compute_fwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        return super().compute_fwd_comp(_as_torchrec_layout(ctx), config)
+        return super().compute_fwd_comp(_as_torchrec_layout(ctx), config)  # type: ignore[misc]
 
     def compute_bwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)
+        return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)  # type: ignore[misc]
 
     def compute_prefetch_comp(
         self, ctx: ShardPerfContext, config: HardwarePerfConfig
     ) -> float:
-        return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)
+        return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)  # type: ignore[misc]
 
     def _default_input_dist_comms(
         self, ctx: ShardPerfContext, config: HardwarePerfConfig
@@ -86,15 +94,15 @@ class PgasTableWiseEvaluator(TableWiseEvaluator):
         return self._put_ms(ctx, config, ids_and_lengths) + _signals_ms(ctx)
 
     def _default_fwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        pooled = self._get_output_write_size(
-            ctx, self._get_comm_data_type_size(ctx, is_fwd=True)
+        pooled = self._get_output_write_size(  # type: ignore[attr-defined]
+            ctx, self._get_comm_data_type_size(ctx, is_fwd=True)  # type: ignore[attr-defined]
         )
         exposed = self._put_ms(ctx, config, pooled) - self.compute_fwd_comp(ctx, config)
         return max(0.0, exposed) + _signals_ms(ctx)
 
     def _default_bwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        grads = self._get_output_write_size(
-            ctx, self._get_comm_data_type_size(ctx, is_fwd=False)
+        grads = self._get_output_write_size(  # type: ignore[attr-defined]
+            ctx, self._get_comm_data_type_size(ctx, is_fwd=False)  # type: ignore[attr-defined]
         )
         exposed = self._put_ms(ctx, config, grads) - self.compute_bwd_comp(ctx, config)
         return max(0.0, exposed) + _signals_ms(ctx)
@@ -110,24 +118,17 @@ class PgasTableWiseEvaluator(TableWiseEvaluator):
         return max(intra_ms, inter_ms)
 
 
+class PgasTableWiseEvaluator(_PgasComms, TableWiseEvaluator):
+    """TorchRec perf evaluator for ``pgas_table_wise`` (see the module docstring)."""
+
+
 class PgasTableWiseInferenceEvaluator(InferenceShardingPerfEvaluator, PgasTableWiseEvaluator):
     """``pgas_table_wise`` for inference: the forward terms only."""
 
 
-class PgasRowWiseEvaluator(RowWiseEvaluator):
-    """``pgas_row_wise``: TorchRec's row-wise estimate, computed on a context relabelled
-    ``row_wise``. The puts of ids and partial sums move the bytes the all-to-all and
-    the reduce-scatter move, so this is an upper bound until the row-wise exchange has
-    its own measured model (it pays no collective latency and overlaps the lookup)."""
-
-    def compute_fwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        return super().compute_fwd_comp(_as_torchrec_layout(ctx), config)
-
-    def compute_bwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)
-
-    def compute_prefetch_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
-        return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)
+class PgasRowWiseEvaluator(_PgasComms, RowWiseEvaluator):
+    """TorchRec perf evaluator for ``pgas_row_wise``: the PGAS terms with row-wise sizes
+    (see the module docstring)."""
 
 
 class PgasRowWiseInferenceEvaluator(InferenceShardingPerfEvaluator, PgasRowWiseEvaluator):
