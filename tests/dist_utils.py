@@ -1,6 +1,7 @@
 """Real multi-process runs for the tests: gloo process groups on this machine."""
 
 import copy
+import functools
 import os
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -11,9 +12,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
+from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import load_unsharded_state_dict
 
 
@@ -138,6 +140,11 @@ def shard(
     )
     load_unsharded_state_dict(dmp, ref.state_dict(), prefix="ebc.")
     return dmp
+
+
+#: Table-wise placements on the FUSED kernel, ours and TorchRec's: ``gen(rank)``.
+pgas_tw = functools.partial(pgas_table_wise, compute_kernel="fused")
+torchrec_tw = functools.partial(table_wise, compute_kernel="fused")
 
 
 def tw_placement(tables: Sequence[EmbeddingBagConfig], owners: Sequence[int], gen: Callable) -> Dict[str, Callable]:

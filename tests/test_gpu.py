@@ -5,7 +5,6 @@ Skipped without two GPUs and nvshmem4py. On the GPU machine:
     python3 -m pytest -q tests/test_gpu.py
 """
 
-import functools
 
 import pytest
 import torch
@@ -23,23 +22,19 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType  # n
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
     make_tables,
+    pgas_tw,
     random_kjt,
     reference_pooled,
     run_ranks,
     shard,
+    torchrec_tw,
     tw_placement,
 )
-from torchrec.distributed.sharding_plan import table_wise
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
-from torchrec_pgas.sharding_plan import pgas_table_wise  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
 from torchrec_pgas.transport import Mailbox, get_transport  # noqa: E402
 from torchrec_pgas.types import PgasOptions  # noqa: E402
-
-pgas_tw = functools.partial(pgas_table_wise, compute_kernel="fused")
-torchrec_tw = functools.partial(table_wise, compute_kernel="fused")
-
 
 def _mailbox(rank, world_size, steps, n):
     dev = torch.device("cuda", rank)

@@ -2,7 +2,6 @@
 float64 oracle (hypothesis), bad dtypes, a rank that dies mid-step, and no leaked
 mappings when sharded models come and go."""
 
-import functools
 import gc
 import os
 import queue
@@ -19,15 +18,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from dist_utils import assert_close_to_reference, reference_pooled, run_ranks, shard, tw_placement
+from dist_utils import (
+    assert_close_to_reference,
+    pgas_tw,
+    reference_pooled,
+    run_ranks,
+    shard,
+    torchrec_tw,
+    tw_placement,
+)
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
-from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.transport import PgasTimeoutError, PgasTransportUnavailableError, get_transport
 from torchrec_pgas.types import PgasOptions
 
 WORLD = 2
-pgas_tw = functools.partial(pgas_table_wise, compute_kernel="fused")
 
 
 # --------------------------------------------------------------- properties
@@ -271,7 +276,6 @@ def test_models_that_come_and_go_leak_no_mappings():
 
 def _long_run(rank, world_size, steps, check_every):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.sharding_plan import table_wise
 
     from dist_utils import make_tables, random_kjt
     from torchrec_pgas.testing import gather_unsharded_state_dict
@@ -283,7 +287,7 @@ def _long_run(rank, world_size, steps, check_every):
     sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused)
     owners = [0, 1, 1, 0]
     pgas = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, sharder)
-    tw = shard(ref, tw_placement(tables, owners, functools.partial(table_wise, compute_kernel="fused")), world_size, sharder)
+    tw = shard(ref, tw_placement(tables, owners, torchrec_tw), world_size, sharder)
     like = ref.state_dict()
     for step in range(1, steps + 1):
         kjt = random_kjt(tables, 3 + (step + rank) % 4, seed=step * 10 + rank)

@@ -1,7 +1,6 @@
 """pgas_table_wise through DistributedModelParallel, on real gloo process groups,
 against the unsharded EmbeddingBagCollection and TorchRec's own table_wise."""
 
-import functools
 import itertools
 
 import pytest
@@ -16,22 +15,19 @@ from dist_utils import (
     assert_close_to_reference,
     assert_same_kt,
     make_tables,
+    pgas_tw,
     random_kjt,
     reference_pooled,
     run_ranks,
     shard,
+    torchrec_tw,
     tw_placement,
 )
-from torchrec.distributed.sharding_plan import table_wise
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
-from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict
 from torchrec_pgas.types import PgasOptions
 
-FUSED = "fused"
-pgas_tw = functools.partial(pgas_table_wise, compute_kernel=FUSED)
-torchrec_tw = functools.partial(table_wise, compute_kernel=FUSED)
 
 
 def _models(world_size, tables, owners, weighted, seed, fused_params=None, options=None):

@@ -117,6 +117,21 @@ class BaseTwExchange:
         while self._recv_step + 1 < step:
             self._drop_next()
 
+    def _host_problem(self, kjt: Any) -> Optional[Tuple[Status, Tuple[int, ...], int]]:
+        """What is wrong with ``kjt`` that the host sees without reading its data, as
+        ``(status, detail, batch size to report)``, else None. Such a batch is sent as a
+        bare header, so that every rank raises; a batch whose shape cannot be trusted
+        reports batch size 0, which keeps every kernel and copy off its data."""
+        key_problem = self._key_problem(kjt.keys())
+        if key_problem is not None:
+            return Status.UNKNOWN_FEATURES, key_problem, 0
+        if kjt.variable_stride_per_key():
+            return Status.VARIABLE_BATCH, (), 0
+        dtype_problem = self._dtype_problem(kjt.values(), kjt.weights_or_none())
+        if dtype_problem is not None:
+            return Status.BAD_DTYPE, (dtype_problem,), kjt.stride()
+        return None
+
     @staticmethod
     def _dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
         """``Status.BAD_DTYPE``'s detail for this batch, or None if its dtypes are fine."""

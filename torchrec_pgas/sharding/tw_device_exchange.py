@@ -169,18 +169,13 @@ class DeviceTwExchange(BaseTwExchange):
         step."""
         batch = kjt.stride()
         values, weights = kjt.values(), kjt.weights_or_none()
-        # Problems the host sees without looking at the data: the batch is sent as a
-        # bare header, so that every rank raises (batch 0 keeps the kernels off it).
         problem: Optional[Tuple[Status, Tuple[int, ...]]] = None
-        key_problem = self._key_problem(kjt.keys())
-        dtype_problem = self._dtype_problem(values, weights)
-        if key_problem is not None:
-            problem, batch = (Status.UNKNOWN_FEATURES, key_problem), 0
-        elif kjt.variable_stride_per_key():
-            problem, batch = (Status.VARIABLE_BATCH, ()), 0
-        elif dtype_problem is not None:
-            problem = (Status.BAD_DTYPE, (dtype_problem,))
+        host_problem = self._host_problem(kjt)
+        if host_problem is not None:
+            status, detail, batch = host_problem
+            problem = (status, detail)
         elif self._weighted and weights is None:
+            # The kernels would read weights the slots do not hold.
             problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,))
         else:
             values = values.to(torch.int64)
@@ -215,7 +210,7 @@ class DeviceTwExchange(BaseTwExchange):
     def _drop_next(self) -> None:
         self._recv_step += 1
         step = self._recv_step
-        signal_wait(self._ids_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        self._wait(self._ids_ready, self._all, arrived(step))
         self._signal(self._all, self._ids_free, step)
         self._my_batches.popleft()
 
@@ -227,7 +222,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._catch_up(step)
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
-        signal_wait(self._ids_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        self._wait(self._ids_ready, self._all, arrived(step))
         base = self._ids_slot_offset(0, step)
         slots = self._ids[base : base + world * layout.nbytes]
         headers = slots.view(world, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
@@ -265,6 +260,10 @@ class DeviceTwExchange(BaseTwExchange):
             route,
         )
 
+    def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int) -> None:
+        """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``."""
+        signal_wait(sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns)
+
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""
         put_signal(
@@ -291,7 +290,7 @@ class DeviceTwExchange(BaseTwExchange):
                 self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
         self._expected_rows += programs_per_requester(route.my_batch)
-        signal_wait(self._out_count.local, self._owners, self._expected_rows, self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        self._wait(self._out_count.local, self._owners, self._expected_rows)
         # The slot is reused two steps on, the output may live longer.
         out = self._out_views[gen][: route.my_batch].clone()
         self._signal(self._owners, self._out_free, step)
@@ -333,7 +332,7 @@ class DeviceTwExchange(BaseTwExchange):
         )
         if self._dims[me] == 0:
             return grad_out.new_zeros(local_embs_shape)
-        signal_wait(self._grads_ready, self._all, arrived(step), self._t.err, _WAIT_DATA, self._t.timeout_ns)
+        self._wait(self._grads_ready, self._all, arrived(step))
         base = (step % DEFAULT_DEPTH) * world * self._grad_slot
         slots = self._grads[base : base + world * self._grad_slot].view(world, self._grad_slot)
         d = self._dims[me]

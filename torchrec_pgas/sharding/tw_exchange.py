@@ -74,14 +74,10 @@ class TwExchange(BaseTwExchange):
 
     def _check(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Header:
         """The status this source reports for ``kjt``, the batch as the sharding's input
-        dist receives it (before any capacity check)."""
+        dist receives it, once ``_host_problem`` found nothing (before any capacity
+        check)."""
         batch = kjt.stride()
         ok = Header(Status.OK, batch, 0, kjt.weights_or_none() is not None, ())
-        if kjt.variable_stride_per_key():
-            return Header(Status.VARIABLE_BATCH, batch, 0, False, ())
-        bad_dtype = self._dtype_problem(kjt.values(), kjt.weights_or_none())
-        if bad_dtype is not None:
-            return Header(Status.BAD_DTYPE, batch, 0, False, (bad_dtype,))
         negative = torch.nonzero(lengths < 0)
         if negative.numel():
             feature = int(negative[0, 0]) // batch
@@ -109,9 +105,10 @@ class TwExchange(BaseTwExchange):
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
         """Puts this rank's ids for the next step into every owner's slot; returns the
         step."""
-        problem = self._key_problem(kjt.keys())
+        problem = self._host_problem(kjt)
         if problem is not None:
-            header = Header(Status.UNKNOWN_FEATURES, 0, 0, False, problem)
+            status, detail, batch_size = problem
+            header = Header(status, batch_size, 0, False, detail)
         else:
             header = self._check(kjt, kjt.lengths())
         if header.status == Status.OK:

@@ -130,10 +130,6 @@ class NvshmemTransport(Transport):
         self._live.append(t)
         return t
 
-    def _forget(self, t: torch.Tensor) -> None:
-        # By identity: list.remove would compare tensors element-wise.
-        self._live = [x for x in self._live if x is not t]
-
     def owner_id(self) -> int:
         """A number for a new owner of symmetric tensors (call it where every rank
         allocates, in the same order on every rank)."""
@@ -153,12 +149,16 @@ class NvshmemTransport(Transport):
         dist.all_gather_object(everyone, sorted(self._retired), group=self.group)
         common = sorted(set.intersection(*(set(ids) for ids in everyone)))
         if common:
-            torch.cuda.synchronize(self.device)
-            self.barrier()
-            for owner in common:
-                for t in self._retired.pop(owner):
-                    self._forget(t)
-                    self._nvshmem.free_tensor(t)
+            self._free([t for owner in common for t in self._retired.pop(owner)])
+
+    def _free(self, tensors: List[torch.Tensor]) -> None:
+        """Frees symmetric tensors (collective) once this rank's queued work is done."""
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        for t in tensors:
+            # By identity: list.remove would compare tensors element-wise.
+            self._live = [x for x in self._live if x is not t]
+            self._nvshmem.free_tensor(t)
 
     def _check_peer_access(self) -> None:
         probe = self._tensor((1,), torch.int64)
@@ -193,10 +193,7 @@ class NvshmemTransport(Transport):
         return SignalArray(size=size, handle=self._tensor((size,), torch.int64))
 
     def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
-        torch.cuda.synchronize(self.device)
-        self.barrier()
-        self._forget(obj.handle)
-        self._nvshmem.free_tensor(obj.handle)
+        self._free([obj.handle])
 
     def _put_chunks(self, buf, peer, offset, src, rows, row_bytes, row_pitch) -> None:
         from torchrec_pgas.kernels.put_signal import put_signal
