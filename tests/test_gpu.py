@@ -17,7 +17,7 @@ if torch.cuda.device_count() < 2:
 pytest.importorskip("nvshmem.core")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType  # noqa: E402
+from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
 
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
@@ -102,6 +102,39 @@ def _forward(rank, world_size, owners, batch_sizes, pooling, weighted):
 )
 def test_gpu_forward_matches_table_wise_host_and_reference(owners, batch_sizes, pooling, weighted):
     run_ranks(_forward, 2, backend="nccl", owners=owners, batch_sizes=batch_sizes, pooling=pooling, weighted=weighted)
+
+
+def _inference(rank, world_size, data_types):
+    """Inference pools with ``lookup_put`` (one kernel from the ids slots to the
+    requesters' outputs): dims past one block of columns, sum and mean tables in
+    separate lookup groups, per-sample weights, batch sizes that differ per rank."""
+    dev = torch.device("cuda", rank)
+    dims, owners = [4, 132, 256, 64, 8], [0, 1, 1, 0, 1]
+    poolings = [PoolingType.SUM, PoolingType.MEAN]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=d, num_embeddings=50 + 7 * i, feature_names=[f"f{i}"],
+            pooling=poolings[i % 2], data_type=data_types[i % len(data_types)],
+        )
+        for i, d in enumerate(dims)
+    ]
+    for weighted in (False, True):
+        _, pgas, tw = _models(rank, world_size, tables, owners, weighted, seed=7)
+        for step in range(3):
+            kjt = random_kjt(tables, [70, 33][rank] + step, 10 * step + rank, weighted, max_len=30).to(dev)
+            with torch.no_grad():
+                out, expected = pgas(kjt).to_dict(), tw(kjt).to_dict()
+            for k in expected:
+                assert torch.equal(out[k], expected[k]), (weighted, step, k)
+
+
+@pytest.mark.parametrize(
+    "data_types",
+    [[DataType.FP32], [DataType.FP16], [DataType.BF16], [DataType.FP32, DataType.FP16]],
+    ids=["fp32", "fp16", "bf16", "mixed-dtypes-fall-back-to-fbgemm"],
+)
+def test_gpu_inference_matches_table_wise_bit_for_bit(data_types):
+    run_ranks(_inference, 2, backend="nccl", data_types=data_types)
 
 
 def _train(rank, world_size, optimizer):

@@ -18,6 +18,7 @@ from torchrec_pgas.kernels.bag_lengths import bag_lengths_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
+from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
@@ -90,6 +91,19 @@ CASES = {
          {"HAS_WEIGHTS": False, "SPLIT": 32, "BLOCK": 1024}],
     ),
 }
+for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
+    CASES[f"lookup_put_{_table}_to_{_out}"] = (
+        lookup_put_kernel,
+        {"slots_ptr": "*u8", "offsets_ptr": "*i64", "features_ptr": "*i64",
+         "table_ptr": f"*{_table}", "out_like_ptr": f"*{_out}", "out_addrs_ptr": "*i64",
+         "cnt_addrs_ptr": "*i64", "done_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
+         "batch_capacity": "i32", "slot_bytes": "i64", "ids_offset": "i64",
+         "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
+         "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "BLOCK_B": "constexpr",
+         "BLOCK_D": "constexpr"},
+        [{"HAS_WEIGHTS": True, "BLOCK_B": 32, "BLOCK_D": 128},
+         {"HAS_WEIGHTS": False, "BLOCK_B": 32, "BLOCK_D": 128}],
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -46,13 +46,14 @@ else:
 
 @pytest.fixture(scope="module")
 def k():
-    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header, rows_put
+    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header, lookup_put, rows_put
 
     class Kernels:
         pass
 
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
     Kernels.bag_lengths, Kernels.gather_ids, Kernels.rows_put = bag_lengths, gather_ids, rows_put
+    Kernels.lookup_put = lookup_put
     return Kernels
 
 
@@ -160,17 +161,15 @@ def test_source_headers_match_the_oracle(k, seed, problem):
         assert int(chunks[w, 3, 1]) == headers.data_ptr() + w * HEADER_WORDS * 8
 
 
-@_interpreted
-@pytest.mark.parametrize("seed", range(6))
-def test_owner_layout_and_gather_match_the_oracle(k, seed):
-    g = torch.Generator().manual_seed(100 + seed)
-    rnd = random.Random(seed)
-    S, F = rnd.randint(1, 4), rnd.randint(1, 5)
+def _owner_slots(g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True):
+    """The ids slots of one step at an owner of ``F`` features, from ``S`` sources with
+    random batch sizes (one source, at random, reporting a bad batch), and what was
+    sent: per source, its lengths ``[F, batch]``, ids, weights and whether it is OK."""
     batches = [rnd.randint(0, 6) for _ in range(S)]
     cap = max(batches + [1]) + rnd.randint(0, 2)
     layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=4 * F * cap)
     slots = torch.zeros(S * layout.nbytes, dtype=torch.uint8)
-    bad_source = rnd.randrange(S) if seed % 3 == 0 else -1
+    bad_source = rnd.randrange(S) if rnd.random() < 0.3 else -1
     sent = []
     for s in range(S):
         slot = slots[s * layout.nbytes : (s + 1) * layout.nbytes]
@@ -178,11 +177,23 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed):
         ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
         weights = torch.rand(ids.numel(), generator=g)
         status = Status.ID_OUT_OF_RANGE if s == bad_source else Status.OK
-        slot[: 8 * HEADER_WORDS].view(torch.int64)[:] = torch.tensor([int(status), batches[s], ids.numel(), 1, 0, 0, 0, 0])
+        words = [int(status), batches[s], ids.numel(), int(weighted), 0, 0, 0, 0]
+        slot[: 8 * HEADER_WORDS].view(torch.int64)[:] = torch.tensor(words)
         layout.lengths(slot, lengths.numel())[:] = lengths
         layout.ids(slot, ids.numel())[:] = ids
         layout.weights(slot, ids.numel())[:] = weights
         sent.append((lengths.view(F, batches[s]), ids, weights, status == Status.OK))
+    return slots, layout, batches, sent
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(6))
+def test_owner_layout_and_gather_match_the_oracle(k, seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    rnd = random.Random(seed)
+    S, F = rnd.randint(1, 4), rnd.randint(1, 5)
+    slots, layout, batches, sent = _owner_slots(g, rnd, S, F)
+    cap = layout.batch_capacity
 
     # The oracle: bag (f, s, b) in feature-major, source, sample order.
     bag_lengths, ids_in_order, weights_in_order = torch.zeros(F, S, cap, dtype=torch.int64), [], []
@@ -242,3 +253,60 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
         assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
         assert int(counters[s][me]) == k.rows_put.programs_per_requester(b)
         assert int(counters[s].sum()) == int(counters[s][me])
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
+    """``lookup_put`` against a sequential fp32 pooling of every bag: exact without
+    per-sample weights, and to rounding with them (the interpreter has no fused
+    multiply-add); twice, as two steps, so the row blocks are counted per step."""
+    g = torch.Generator().manual_seed(300 + seed)
+    rnd = random.Random(seed)
+    S, F = rnd.randint(1, 3), rnd.randint(1, 3)
+    weighted = seed % 2 == 1
+    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted)
+    cap = layout.batch_capacity
+    dims = [rnd.choice([4, 12, 128, 136]) for _ in range(F)]  # past BLOCK_D too
+    means = [rnd.random() < 0.5 for _ in range(F)]
+    tables = [torch.randn(1000, d, generator=g).to(dtype) for d in dims]
+    first_col = rnd.randint(0, 5)
+    cols = [first_col + sum(dims[:f]) for f in range(F)]
+    pitch = first_col + sum(dims) + rnd.randint(0, 5)
+    features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
+    offsets = k.bag_lengths.bag_offsets(slots, F, layout)
+    outs = [torch.full((cap, pitch), -1.0) for _ in range(S)]
+    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
+    me = rnd.randrange(4)
+    done = k.lookup_put.done_counters(S, layout, slots.device)
+    for launch in (1, 2):
+        k.lookup_put.lookup_put(
+            slots, offsets, features, tables[0], outs[0],
+            torch.tensor([o.data_ptr() for o in outs]), torch.tensor([c.data_ptr() + 8 * me for c in counters]),
+            done, torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+            layout, pitch, F * launch, weighted, 0, 10**9,
+        )
+    for s, (lengths, ids, weights, ok) in enumerate(sent):
+        b = batches[s]
+        untouched = outs[s].clone()
+        untouched[:b, first_col : first_col + sum(dims)] = -1.0
+        assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
+        assert int(counters[s][me]) == 2 * k.rows_put.programs_per_requester(b)
+        assert int(counters[s].sum()) == int(counters[s][me])
+        for f in range(F):
+            start = int(lengths[:f].sum())
+            for i in range(b):
+                n = int(lengths[f, i]) if ok else 0
+                acc = torch.zeros(dims[f])
+                for j in range(start, start + n):
+                    row = tables[f][ids[j]].float()
+                    acc = acc + row * weights[j] if weighted else acc + row
+                if means[f] and n:
+                    acc = acc * (1.0 / torch.tensor(float(n)))
+                got = outs[s][i, cols[f] : cols[f] + dims[f]]
+                if weighted:
+                    torch.testing.assert_close(got, acc, rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(got, acc), (s, f, i)
+                start += int(lengths[f, i])

@@ -121,19 +121,23 @@ class PgasPooledEmbeddingDist(
 
 class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     """TorchRec's lookup (same modules, parameters and state), which also takes the
-    GPU exchange's fixed-shape ``LookupBatch`` of already-split groups and passes the
-    batch's route on to the output dist."""
+    GPU exchange's fixed-shape ``LookupBatch`` (already-split groups, or the pooling
+    done by the exchange's ``lookup_put``) and passes the batch's route on to the
+    output dist."""
 
     def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pgas_name = name
 
     def forward(self, sparse_features: Any) -> torch.Tensor:
-        groups = getattr(sparse_features, "groups", None)
-        if groups is None:
+        if getattr(sparse_features, "groups", None) is None:
             out = super().forward(sparse_features)
         else:
-            out = embeddings_cat_empty_rank_handle(
-                self._forward(groups), self._dummy_embs_tensor, dim=1
-            )
+            # The GPU exchange may pool and put the rows itself (inference); the
+            # output is then an empty stand-in that carries the route.
+            out = sparse_features.lookup_put(self._emb_modules)
+            if out is None:
+                out = embeddings_cat_empty_rank_handle(
+                    self._forward(sparse_features.groups), self._dummy_embs_tensor, dim=1
+                )
         return attach_route(out, route_of(sparse_features, self._pgas_name))

@@ -14,6 +14,7 @@ from typing import Any, List
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.tw_base import TwFeature
@@ -55,13 +56,15 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
         from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 
         configs = self._grouped_embedding_configs
+        fused = all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
         return DeviceTwExchange(
             transport=transport,  # type: ignore[arg-type]
             group_sizes=[c.num_features() for c in configs],
             weighted=any(c.is_weighted for c in configs),
             # Caching kernels prefetch over the whole index tensor, and FBGEMM's bounds
             # check may be forced on from the environment: both read past the bags.
-            lookup_reads_only_bags=all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
-            and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
+            lookup_reads_only_bags=fused and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
+            fused_lookup=fused
+            and all(c.pooling in (PoolingType.SUM, PoolingType.MEAN) and not c.has_feature_processor for c in configs),
             **args,
         )

@@ -29,22 +29,25 @@ kernels, so the host only enqueues a handful of launches per step:
 import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.bag_lengths import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
 from torchrec_pgas.kernels.ids_header import ids_header
+from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route
+from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
@@ -55,11 +58,22 @@ _WAIT_DATA = WAIT_DATA.value
 class LookupBatch:
     """The owner's lookup input of one step: per lookup group, the bag offsets and ids
     (and weights) of ``bags_per_feature`` bags per feature. ``headers`` are the step's slot
-    headers ([S, 8] int64, on the device)."""
+    headers ([S, 8] int64, on the device).
+
+    Without autograd the groups are left empty at first: ``lookup_put`` then pools the
+    bags straight from the slots and puts the rows (see ``DeviceTwExchange.lookup_put``),
+    or fills the groups for TorchRec's lookup."""
 
     groups: List[KeyedJaggedTensor]
     headers: torch.Tensor
     bags_per_feature: int
+    pending: Optional[Callable[["LookupBatch", Sequence[Any]], Optional[torch.Tensor]]] = None
+
+    def lookup_put(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """Pools and puts this batch with ``emb_modules``' tables, if the exchange can;
+        returns None once ``groups`` are filled for TorchRec's lookup instead."""
+        pending, self.pending = self.pending, None
+        return pending(self, emb_modules) if pending is not None else None
 
     # TorchRec inspects the input dist's output as a KJT in a few places.
     def variable_stride_per_key(self) -> bool:
@@ -80,6 +94,7 @@ class DeviceRoute:
 
     headers: torch.Tensor  # [S, 8] int64: every source's header of the step
     my_batch: int  # this rank's batch size as its header reports it
+    put_by_lookup: bool = False  # the rows were put by ``lookup_put`` already
 
 
 class _Symmetric:
@@ -93,7 +108,10 @@ class _Symmetric:
 class DeviceTwExchange(BaseTwExchange):
     """GPU counterpart of ``TwExchange``: the arguments of ``BaseTwExchange``, plus the
     number of features of each lookup group of this rank (``group_sizes``, in lookup
-    order) and whether the plan's tables are weighted."""
+    order), whether the plan's tables are weighted, whether the lookup reads only the
+    bags' ids (else it gets exactly the batch's ids), and whether inference may pool
+    with ``lookup_put`` (every group FBGEMM ``FUSED``, sum or mean pooling, no feature
+    processor)."""
 
     def __init__(
         self,
@@ -101,6 +119,7 @@ class DeviceTwExchange(BaseTwExchange):
         group_sizes: Sequence[int],
         weighted: bool,
         lookup_reads_only_bags: bool,
+        fused_lookup: bool,
         **plan: Any,
     ) -> None:
         super().__init__(transport, **plan)
@@ -117,6 +136,12 @@ class DeviceTwExchange(BaseTwExchange):
         self._group_first = [sum(self._group_sizes[:g]) for g in range(len(self._group_sizes))]
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
+        self._fused_lookup = fused_lookup
+        self._lookup_puts = 0
+        self._tables_key: Tuple[int, ...] = ()
+        self._tables = torch.empty(0, 4, dtype=torch.int64, device=self._dev)
+        # The ids step whose slots a pending ``lookup_put`` still reads.
+        self._held: Optional[int] = None
 
     # ----------------------------------------------------------------- set-up
 
@@ -142,6 +167,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads = t._tensor((depth * world * self._grad_slot,), torch.uint8)
         self._grads_ready = t._tensor((world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
+        self._done = done_counters(world, layout, self._dev)
         # Per-step constants, built once: every small tensor op is host time on the
         # critical path of a step.
         self._out_addrs = [self._out.peers + g * self._out_slot for g in range(depth)]
@@ -185,6 +211,7 @@ class DeviceTwExchange(BaseTwExchange):
             self._allocate(batch, offsets)
         layout = self._layout
         assert layout is not None
+        self._release_held()
         self._make_room()
         self._send_step += 1
         step = self._send_step
@@ -219,6 +246,7 @@ class DeviceTwExchange(BaseTwExchange):
         owner's lookup batch (see the module docstring)."""
         layout = self._layout
         assert layout is not None, "recv_ids before send_ids"
+        self._release_held()
         self._catch_up(step)
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
@@ -226,39 +254,111 @@ class DeviceTwExchange(BaseTwExchange):
         base = self._ids_slot_offset(0, step)
         slots = self._ids[base : base + world * layout.nbytes]
         headers = slots.view(world, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
-        features = self._features_per_rank[self._me]
-        groups: List[KeyedJaggedTensor] = []
-        if features:
-            offsets = bag_offsets(slots, len(features), layout)
-            bags = [f * world * cap for f in self._group_first + [len(features)]]
-            # FBGEMM's backward sorts the whole index tensor: under autograd it must
-            # hold exactly the batch's ids, the one size this rank then reads back.
-            exact = self._exact_always or torch.is_grad_enabled()
-            if exact:
-                at = offsets[bags].tolist()
-            for g, (first, size) in enumerate(zip(self._group_first, self._group_sizes)):
-                lo, hi = bags[g], bags[g + 1]
-                g_offsets = offsets if len(bags) == 2 else offsets[lo : hi + 1] - offsets[lo]
-                n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
-                indices = torch.empty(n, dtype=torch.int64, device=self._dev)
-                weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
-                gather_ids(slots, offsets, indices, weights, first, size, layout, self._weighted)
-                groups.append(
-                    KeyedJaggedTensor(
-                        keys=[x.name for x in features[first : first + size]],
-                        values=indices,
-                        offsets=g_offsets,
-                        weights=weights if self._weighted else None,
-                        stride=world * cap,
-                    )
-                )
+        batch = LookupBatch(groups=[], headers=headers, bags_per_feature=world * cap)
+        route = DeviceRoute(headers=headers, my_batch=self._my_batches.popleft())
+        if self._features_per_rank[self._me]:
+            offsets = bag_offsets(slots, len(self._features_per_rank[self._me]), layout)
+            if self._fused_lookup and not torch.is_grad_enabled():
+                # The lookup pools straight from the slots: they stay held until then.
+                self._held = step
+                batch.pending = lambda b, modules: self._lookup_put(b, modules, route, slots, offsets, step)
+                return attach_route(batch, route)
+            batch.groups = self._groups(slots, offsets)
         # Everything is read (stream ordered): release the slots to their sources.
         self._signal(self._all, self._ids_free, step)
-        route = DeviceRoute(headers=headers, my_batch=self._my_batches.popleft())
-        return attach_route(
-            LookupBatch(groups=groups, headers=headers, bags_per_feature=world * cap),
-            route,
-        )
+        return attach_route(batch, route)
+
+    def _groups(self, slots: torch.Tensor, offsets: torch.Tensor) -> List[KeyedJaggedTensor]:
+        """The lookup groups' KJTs of a step, gathered from its slots."""
+        layout = self._layout
+        assert layout is not None
+        world, cap = self._t.world_size, layout.batch_capacity
+        features = self._features_per_rank[self._me]
+        bags = [f * world * cap for f in self._group_first + [len(features)]]
+        # FBGEMM's backward sorts the whole index tensor: under autograd it must
+        # hold exactly the batch's ids, the one size this rank then reads back.
+        exact = self._exact_always or torch.is_grad_enabled()
+        if exact:
+            at = offsets[bags].tolist()
+        groups = []
+        for g, (first, size) in enumerate(zip(self._group_first, self._group_sizes)):
+            lo, hi = bags[g], bags[g + 1]
+            g_offsets = offsets if len(bags) == 2 else offsets[lo : hi + 1] - offsets[lo]
+            n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
+            indices = torch.empty(n, dtype=torch.int64, device=self._dev)
+            weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
+            gather_ids(slots, offsets, indices, weights, first, size, layout, self._weighted)
+            groups.append(
+                KeyedJaggedTensor(
+                    keys=[x.name for x in features[first : first + size]],
+                    values=indices,
+                    offsets=g_offsets,
+                    weights=weights if self._weighted else None,
+                    stride=world * cap,
+                )
+            )
+        return groups
+
+    def _release_held(self) -> None:
+        """Releases the slots of a step whose lookup never came (a dropped batch)."""
+        if self._held is not None:
+            self._signal(self._all, self._ids_free, self._held)
+            self._held = None
+
+    def _lookup_put(
+        self, batch: LookupBatch, emb_modules: Sequence[Any], route: DeviceRoute,
+        slots: torch.Tensor, offsets: torch.Tensor, step: int,
+    ) -> Optional[torch.Tensor]:
+        """Pools every requester's bags from the slots of ``step`` and puts the rows
+        (``kernels/lookup_put``); or, under autograd or for tables it cannot read,
+        fills ``batch.groups`` for TorchRec's lookup. Releases the slots either way."""
+        if self._held != step:
+            raise PgasError(
+                f"{self._name}: rank {self._me} looked up a batch whose ids were released "
+                f"(a later batch went through the input dist before this one's lookup)"
+            )
+        tables = None if torch.is_grad_enabled() else self._table_rows(emb_modules)
+        if tables is None:
+            batch.groups = self._groups(slots, offsets)
+            out = None
+        else:
+            layout = self._layout
+            assert layout is not None
+            out_step = self._next_out_step()
+            self._lookup_puts += 1
+            lookup_put(
+                slots, offsets, tables, emb_modules[0].emb_module.weights_dev,
+                self._out_views[0], self._out_addrs[out_step % DEFAULT_DEPTH], self._my_counts,
+                self._done, self._out_free, self._t.err, layout, self._dim_total,
+                self._lookup_puts * tables.size(0), self._weighted,
+                max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+            )
+            route.put_by_lookup = True
+            out = torch.empty(0, self._dims[self._me], dtype=self._out_dtype, device=self._dev)
+        self._held = None
+        self._signal(self._all, self._ids_free, step)
+        return out
+
+    def _table_rows(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """``lookup_put``'s feature table for these lookup modules, or None if some
+        table is not wholly in device memory (the kernel reads only ``weights_dev``) or
+        the groups' weights differ in dtype (one launch reads one dtype)."""
+        tbes = [m.emb_module for m in emb_modules]
+        key = tuple(t.weights_dev.data_ptr() for t in tbes)
+        if key == self._tables_key:
+            return self._tables
+        if any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes) or len({t.weights_dev.dtype for t in tbes}) > 1:
+            self._fused_lookup = False
+            return None
+        rows, col = [], self._col_offsets[self._me]
+        for t in tbes:
+            w, dims, at = t.weights_dev, t.D_offsets.tolist(), t.weights_offsets.tolist()
+            mean = int(t.pooling_mode == PoolingMode.MEAN)
+            rows += [[w.data_ptr() + at[f] * w.element_size(), dims[f + 1] - dims[f], col + dims[f], mean] for f in range(len(dims) - 1)]
+            col += dims[-1]
+        self._tables_key = key
+        self._tables = torch.tensor(rows, dtype=torch.int64, device=self._dev)
+        return self._tables
 
     def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int) -> None:
         """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``."""
@@ -273,26 +373,33 @@ class DeviceTwExchange(BaseTwExchange):
 
     # ---------------------------------------------------------- pooled forward
 
+    def _next_out_step(self) -> int:
+        self._out_step += 1
+        return self._out_step
+
     def exchange_pooled(self, local_embs: torch.Tensor, route: DeviceRoute) -> torch.Tensor:
-        """Puts every requester's rows; returns this rank's output (see module doc)."""
+        """Puts every requester's rows (unless ``lookup_put`` did); returns this rank's
+        output (see module doc)."""
         layout = self._layout
         assert layout is not None
-        self._out_step += 1
-        step = self._out_step
-        me, gen = self._me, step % DEFAULT_DEPTH
-        if self._dims[me] > 0:
-            rows_put(
-                local_embs.detach().to(self._out_dtype).contiguous(),
-                route.headers[:, 1],
-                self._out_addrs[gen],
-                self._my_counts,
-                self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
-                self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
-            )
+        me = self._me
+        if route.put_by_lookup:
+            step = self._out_step
+        else:
+            step = self._next_out_step()
+            if self._dims[me] > 0:
+                rows_put(
+                    local_embs.detach().to(self._out_dtype).contiguous(),
+                    route.headers[:, 1],
+                    self._out_addrs[step % DEFAULT_DEPTH],
+                    self._my_counts,
+                    self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
+                    self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+                )
         self._expected_rows += programs_per_requester(route.my_batch)
         self._wait(self._out_count.local, self._owners, self._expected_rows)
         # The slot is reused two steps on, the output may live longer.
-        out = self._out_views[gen][: route.my_batch].clone()
+        out = self._out_views[step % DEFAULT_DEPTH][: route.my_batch].clone()
         self._signal(self._owners, self._out_free, step)
         self._check(route.headers)
         return out

@@ -1,0 +1,184 @@
+"""Pools an owner's bags straight out of the ids slots and puts each pooled row at its
+final place in the requester's output: the inference lookup, without an index tensor,
+a lookup output or a separate put.
+
+Program ``(s, blk, f)`` pools bags ``blk * BLOCK_B ...`` of feature ``f`` for requester
+``s`` and stores them through ``s``'s peer mapping (NVLink) at the feature's columns.
+The pooling is FBGEMM's, operation for operation, so results are bit-identical to
+TorchRec's lookup: per bag, rows are added in id order into an fp32 accumulator
+starting at zero (``fma(row, weight, acc)`` with per-sample weights), and the sum is
+multiplied by ``1 / L`` (mean) or 1 (sum) before the cast to the output dtype.
+
+A requester counts one arrival per row block of each owner, as for ``rows_put``: the
+programs of a row block tick ``done``, and the last of them (``done`` reaches
+``done_target``) adds one to the requester's counter, with release semantics at
+system scope, after every program's rows are visible.
+
+Buffers:
+    slots:     uint8, this step's generation of the ids mailbox: S slots of
+               ``slot_bytes``, each an ``ids_slot`` layout (header: status, batch size,
+               ...; ids int64 at ``ids_offset`` and weights float32 at
+               ``weights_offset``, feature-major)
+    offsets:   int64 [F * S * batch_capacity + 1]  bag offsets of ``bag_lengths``: bag
+               ``(f, s, b)`` is ``(f * S + s) * batch_capacity + b``
+    features:  int64 [F, 4]  per feature: address of its table's row 0, dim, first
+               column in the requester's output, 1 for mean pooling else 0
+    table:     any tensor of the tables' dtype (only its pointer type is used)
+    out_like:  any tensor of the output's dtype (only its pointer type is used)
+    out_addrs: int64 [S]  address of each requester's output slot of this step,
+               rows of ``pitch`` elements, through the peer mapping
+    cnt_addrs: int64 [S]  address of each requester's counter word for this owner
+    done:      int64 [S, cdiv(batch_capacity, BLOCK_B)]  programs finished per row block,
+               over all steps (never reset)
+    free:      int64 [S]  this rank's free signals: free[s] is the last step s released
+    err:       int64 [4]  error record (see ``signals.py``)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Row blocks as ``rows_put``'s: a requester counts them the same whichever kernel put them.
+from torchrec_pgas.kernels.rows_put import BLOCK_B, BLOCK_D
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, wait_ge
+from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+
+NUM_WARPS = 4
+
+
+@triton.jit(
+    do_not_specialize=[
+        "batch_capacity", "slot_bytes", "ids_offset", "weights_offset",
+        "pitch", "done_target", "free_target", "timeout_ns",
+    ]
+)
+def lookup_put_kernel(
+    slots_ptr,
+    offsets_ptr,
+    features_ptr,
+    table_ptr,
+    out_like_ptr,
+    out_addrs_ptr,
+    cnt_addrs_ptr,
+    done_ptr,
+    free_ptr,
+    err_ptr,
+    batch_capacity,
+    slot_bytes,
+    ids_offset,
+    weights_offset,
+    pitch,
+    done_target,
+    free_target,
+    timeout_ns,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0)
+    blk = tl.program_id(1)
+    f = tl.program_id(2)
+    S = tl.num_programs(0)
+    slot = slots_ptr + s.to(tl.int64) * slot_bytes
+    batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
+    ok = blk * BLOCK_B < batch
+    if ok & (free_target > 0):
+        ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
+    if ok:
+        # Where feature f's ids start in the slot: after the earlier features' ids.
+        first = batch - batch
+        for g in range(0, f):
+            g_bag = (g * S + s).to(tl.int64) * batch_capacity
+            first += tl.load(offsets_ptr + g_bag + batch_capacity) - tl.load(offsets_ptr + g_bag)
+        seg = (f * S + s).to(tl.int64) * batch_capacity
+        rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
+        row_ok = rows < batch
+        start = tl.load(offsets_ptr + seg + rows, mask=row_ok, other=0)
+        L = tl.load(offsets_ptr + seg + rows + 1, mask=row_ok, other=0) - start
+        pos = first + start - tl.load(offsets_ptr + seg)
+        ids_ptr = (slot + ids_offset).to(tl.pointer_type(tl.int64), bitcast=True) + pos
+        w_ptr = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + pos
+
+        meta = features_ptr + f * 4
+        table = tl.load(meta).to(table_ptr.dtype, bitcast=True)
+        dim = tl.load(meta + 1)
+        col = tl.load(meta + 2)
+        # FBGEMM multiplies by 1/L (IEEE division) for mean and by 1 for sum.
+        inv_L = tl.where(
+            (tl.load(meta + 3) != 0) & (L != 0),
+            tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), L.to(tl.float32)),
+            1.0,
+        )
+        out = tl.load(out_addrs_ptr + s).to(out_like_ptr.dtype, bitcast=True)
+        dst_rows = rows.to(tl.int64) * pitch + col
+        longest = tl.max(L)
+        for d0 in range(0, dim, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            col_ok = cols < dim
+            acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            for j in range(0, longest):
+                take = row_ok & (j < L)
+                idx = tl.load(ids_ptr + j, mask=take, other=0)
+                vals = tl.load(
+                    table + idx[:, None] * dim + cols[None, :],
+                    mask=take[:, None] & col_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                if HAS_WEIGHTS:
+                    w = tl.load(w_ptr + j, mask=take, other=0.0)
+                    step = tl.fma(vals, w[:, None], acc)
+                else:
+                    step = acc + vals
+                # Bags shorter than j keep their sum as it is, bit for bit.
+                acc = tl.where(take[:, None], step, acc)
+            acc = acc * inv_L[:, None]
+            tl.store(
+                out + dst_rows[:, None] + cols[None, :],
+                acc.to(out_like_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+    # Every program ticks its row block, also one past its requester's batch, so the
+    # target stays F per launch; only programs that stored rows count in.
+    tl.debug_barrier()
+    n_blk = tl.cdiv(batch_capacity, BLOCK_B)
+    done = tl.atomic_add(done_ptr + s * n_blk + blk, 1, sem="acq_rel", scope="sys")
+    if ok & (done + 1 == done_target):
+        cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
+        tl.atomic_add(cnt, 1, sem="release", scope="sys")
+
+
+def lookup_put(
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    features: torch.Tensor,
+    table: torch.Tensor,
+    out_like: torch.Tensor,
+    out_addrs: torch.Tensor,
+    cnt_addrs: torch.Tensor,
+    done: torch.Tensor,
+    free: torch.Tensor,
+    err: torch.Tensor,
+    layout: IdsSlotLayout,
+    pitch: int,
+    done_target: int,
+    has_weights: bool,
+    free_target: int,
+    timeout_ns: int,
+) -> None:
+    """Launches ``(S, cdiv(batch_capacity, BLOCK_B), F)`` programs (see the module
+    docstring); ``done_target`` is ``F`` times the number of launches so far."""
+    S, F = out_addrs.numel(), features.size(0)
+    if F == 0:
+        return
+    grid = (S, triton.cdiv(layout.batch_capacity, BLOCK_B), F)
+    lookup_put_kernel[grid](
+        slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
+        layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
+        pitch, done_target, free_target, timeout_ns,
+        HAS_WEIGHTS=has_weights, BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
+    )
+
+
+def done_counters(num_sources: int, layout: IdsSlotLayout, device: torch.device) -> torch.Tensor:
+    """The zeroed ``done`` buffer for ``lookup_put`` (one word per row block)."""
+    return torch.zeros(num_sources, triton.cdiv(layout.batch_capacity, BLOCK_B), dtype=torch.int64, device=device)
