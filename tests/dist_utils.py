@@ -4,6 +4,7 @@ import copy
 import functools
 import os
 import tempfile
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -38,20 +39,29 @@ def _entry(
     os._exit(0)
 
 
-def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", **kwargs: Any) -> None:
+def run_ranks(
+    fn: Callable, world_size: int, backend: str = "gloo", deadline_s: float = 600, **kwargs: Any
+) -> None:
     """Runs ``fn(rank=, world_size=, **kwargs)`` in ``world_size`` fresh processes of
     one process group (``nccl``: rank r on GPU r); a failure in any rank fails the
-    caller with that rank's traceback."""
+    caller with that rank's traceback, and ranks still running after ``deadline_s``
+    are killed and fail it too (a hang is a failure, not a stuck CI)."""
     # A file store, not a TCP port: a free port found here may be taken (by NCCL or
     # NVSHMEM of the test before) by the time rank 0 listens on it.
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
+        ctx = mp.start_processes(
             _entry,
             args=(fn, world_size, os.path.join(tmp, "store"), backend, kwargs),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        end = time.monotonic() + deadline_s
+        while not ctx.join(timeout=max(1.0, end - time.monotonic())):
+            if time.monotonic() >= end:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__}: ranks still running after {deadline_s} s (a hang)")
 
 
 class Wrapper(nn.Module):

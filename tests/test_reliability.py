@@ -156,22 +156,34 @@ def test_random_batches_match_the_float64_oracle(pool, case):
 # ------------------------------------------------------------ bad dtypes
 
 
-def _bad_dtypes(rank, world_size):
-    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+def _bad_dtypes(rank, world_size, owners):
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(len(owners))
+    ]
+    keys = [f"f{i}" for i in range(len(owners))]
     torch.manual_seed(0)
-    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    model = shard(ref, tw_placement(tables, [1], pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
-    good = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("cpu"))
+    model = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
+    n = 3 * len(keys)
+    lengths = torch.tensor([2, 1] * len(keys))
+    good = KeyedJaggedTensor(keys=keys, values=torch.arange(n) % 10, lengths=lengths, weights=torch.rand(n))
     model(good).to_dict()
-    values = torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else good.values()
-    floats = KeyedJaggedTensor(keys=["f0"], values=values, lengths=torch.tensor([2, 1]))
-    with pytest.raises(PgasInputError, match="rank 0 sent a KJT with ids that are not integers"):
-        model(floats)
-    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+    bad = {
+        "ids that are not integers": dict(values=torch.arange(n).float(), weights=good.weights()),
+        "weights that are not floating point": dict(values=good.values(), weights=torch.arange(n)),
+    }
+    for what, data in bad.items():
+        batch = KeyedJaggedTensor(keys=keys, lengths=lengths, **data) if rank == 0 else good
+        with pytest.raises(PgasInputError, match=f"rank 0 sent a KJT with {what}"):
+            model(batch)
+        expected = reference_pooled(tables, ref.state_dict(), good)
+        assert_close_to_reference(model(good).to_dict(), expected)
 
 
-def test_ids_of_a_wrong_dtype_raise_on_every_rank():
-    run_ranks(_bad_dtypes, WORLD)
+@pytest.mark.parametrize("owners", [[1], [1, 0, 1]], ids=["in-order", "permuted"])
+def test_ids_or_weights_of_a_wrong_dtype_raise_on_every_rank(owners):
+    run_ranks(_bad_dtypes, WORLD, owners=owners)
 
 
 # ---------------------------------------------------------- unknown features
@@ -307,7 +319,7 @@ def test_training_stays_identical_to_table_wise_short_run():
 
 @pytest.mark.slow
 def test_training_stays_identical_to_table_wise_10k_steps():
-    run_ranks(_long_run, WORLD, steps=10_000, check_every=1_000)
+    run_ranks(_long_run, WORLD, steps=10_000, check_every=1_000, deadline_s=3600)
 
 
 def _nvshmem_missing_on_rank_1(rank, world_size):

@@ -165,18 +165,22 @@ def _bad_input(rank, world_size):
     big = random_kjt(tables, 4 if rank == 0 else 7, seed=rank)
     with pytest.raises(PgasInputError, match=r"rank 1's batch \(7 samples.* over capacity \(6 samples"):
         pgas(big)
-    # Owners in feature order: TorchRec permutes the KJT otherwise, and its permute
-    # trusts the lengths (validating the KJT before TorchRec touches it is issue 7's).
-    # TorchRec validates the first batch of a model itself, so feed a good one first.
-    _, pgas, tw = _models(world_size, tables, [0, 0, 1], False, seed=1, options=options)
     assert_same_kt(pgas(good), tw(good), exact=True)
-    torn = random_kjt(tables, 4, seed=rank)
-    if rank == 1:
-        torn = KeyedJaggedTensor(keys=torn.keys(), values=torn.values()[:-1], lengths=torn.lengths())
-    with pytest.raises(PgasInputError, match="rank 1 sent a KJT whose lengths and values disagree"):
-        pgas(torn)
-    # the next valid batch is served, and right
-    assert_same_kt(pgas(good), tw(good), exact=True)
+    # Owners in feature order, then out of it (TorchRec permutes the KJT, trusting its
+    # lengths: the sharded module checks them first). TorchRec validates the first
+    # batch of a model itself, so feed a good one first.
+    for owners in ([0, 0, 1], [1, 0, 1]):
+        _, pgas, tw = _models(world_size, tables, owners, False, seed=1, options=options)
+        assert_same_kt(pgas(good), tw(good), exact=True)
+        for cut in (slice(None, -1), slice(None)):  # fewer values than lengths, and more
+            torn = random_kjt(tables, 4, seed=rank)
+            if rank == 1:
+                values = torn.values()[cut] if cut.stop else torch.cat([torn.values(), torn.values()[:2]])
+                torn = KeyedJaggedTensor(keys=torn.keys(), values=values, lengths=torn.lengths())
+            with pytest.raises(PgasInputError, match="rank 1 sent a KJT whose lengths and values disagree"):
+                pgas(torn)
+            # the next valid batch is served, and right
+            assert_same_kt(pgas(good), tw(good), exact=True)
 
 
 def test_bad_input_raises_on_every_rank_and_next_batch_is_served():

@@ -1,17 +1,47 @@
 """The sharder and sharded module that put the PGAS sharding types into TorchRec."""
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
-from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.ids_slot import Status
+from torchrec_pgas.sharding.tw_base import dtype_problem
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
+
+
+def _input_problem(features: KeyedJaggedTensor) -> Optional[Tuple[Status, Tuple[int, ...]]]:
+    """What TorchRec's permute and split of ``features`` would trip over or hide: ids
+    or weights of a wrong dtype, lengths that do not add up to the values. The sum
+    costs nothing: the permute reads the same per-key lengths."""
+    bad_dtype = dtype_problem(features.values(), features.weights_or_none())
+    if bad_dtype is not None:
+        return Status.BAD_DTYPE, (bad_dtype,)
+    if not features.variable_stride_per_key() and sum(features.length_per_key()) != features.values().numel():
+        return Status.BAD_LENGTHS, (-1,)
+    return None
+
+
+def _empty_like(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A batch of the same features and batch size with every bag empty."""
+    device = features.lengths().device
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=features.keys(),
+        values=torch.empty(0, dtype=torch.int64, device=device),
+        lengths=torch.zeros(len(features.keys()) * features.stride(), dtype=torch.int64, device=device),
+        weights=None if weights is None else torch.empty(0, device=device),
+        stride=features.stride(),
+    )
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -26,6 +56,20 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # options, before nn.Module.__init__ has run: bypass Module.__setattr__.
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
+
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[Any]]:
+        # A batch TorchRec cannot split faithfully is replaced by an empty one, and
+        # every PGAS sharding reports the problem with its next send, so every rank
+        # raises at the end of this step instead of one rank failing alone.
+        pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
+        problem = _input_problem(features) if pgas and isinstance(features, KeyedJaggedTensor) else None
+        if problem is not None:
+            for sharding in pgas:
+                sharding.report_input_problem(*problem)
+            features = _empty_like(features)
+        return super().input_dist(ctx, features)
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -71,6 +71,10 @@ class PgasShardingMixin:
             self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
         return self._exchange
 
+    def report_input_problem(self, status: Any, detail: Any) -> None:
+        """See ``BaseTwExchange.report_input_problem``."""
+        self._get_exchange(None).report_input_problem(status, detail)
+
     def create_input_dist(
         self, device: Optional[torch.device] = None
     ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:

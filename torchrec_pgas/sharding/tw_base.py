@@ -65,6 +65,7 @@ class BaseTwExchange:
         self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
         self._layout: Optional[IdsSlotLayout] = None
         self._send_step = self._recv_step = self._out_step = self._grad_step = 0
+        self._reported: Optional[Tuple[Status, Tuple[int, ...]]] = None
 
     @property
     def world_size(self) -> int:
@@ -117,29 +118,39 @@ class BaseTwExchange:
         while self._recv_step + 1 < step:
             self._drop_next()
 
+    def report_input_problem(self, status: Status, detail: Tuple[int, ...]) -> None:
+        """Makes the next send report ``status`` for its batch: the sharded module
+        found the problem in the batch it was given, before TorchRec split it."""
+        self._reported = (status, detail)
+
     def _host_problem(self, kjt: Any) -> Optional[Tuple[Status, Tuple[int, ...], int]]:
-        """What is wrong with ``kjt`` that the host sees without reading its data, as
-        ``(status, detail, batch size to report)``, else None. Such a batch is sent as a
-        bare header, so that every rank raises; a batch whose shape cannot be trusted
-        reports batch size 0, which keeps every kernel and copy off its data."""
+        """What is wrong with ``kjt`` that the host sees without reading its data (or
+        was reported for it), as ``(status, detail, batch size to report)``, else None.
+        Such a batch is sent as a bare header, so that every rank raises; a batch whose
+        shape cannot be trusted reports batch size 0, which keeps every kernel and copy
+        off its data."""
+        if self._reported is not None:
+            (status, detail), self._reported = self._reported, None
+            return status, detail, 0
         key_problem = self._key_problem(kjt.keys())
         if key_problem is not None:
             return Status.UNKNOWN_FEATURES, key_problem, 0
         if kjt.variable_stride_per_key():
             return Status.VARIABLE_BATCH, (), 0
-        dtype_problem = self._dtype_problem(kjt.values(), kjt.weights_or_none())
-        if dtype_problem is not None:
-            return Status.BAD_DTYPE, (dtype_problem,), kjt.stride()
+        bad_dtype = dtype_problem(kjt.values(), kjt.weights_or_none())
+        if bad_dtype is not None:
+            return Status.BAD_DTYPE, (bad_dtype,), kjt.stride()
         return None
 
-    @staticmethod
-    def _dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
-        """``Status.BAD_DTYPE``'s detail for this batch, or None if its dtypes are fine."""
-        if values.dtype not in (torch.int32, torch.int64):
-            return BadDtype.IDS_NOT_INTEGERS
-        if weights is not None and not weights.is_floating_point():
-            return BadDtype.WEIGHTS_NOT_FLOATING
-        return None
+
+
+def dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
+    """``Status.BAD_DTYPE``'s detail for a batch, or None if its dtypes are fine."""
+    if values.dtype not in (torch.int32, torch.int64):
+        return BadDtype.IDS_NOT_INTEGERS
+    if weights is not None and not weights.is_floating_point():
+        return BadDtype.WEIGHTS_NOT_FLOATING
+    return None
 
 
 #: The attribute that carries a step's route from the lookup input (KJT) to the lookup
