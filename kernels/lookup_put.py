@@ -9,10 +9,10 @@ TorchRec's lookup: per bag, rows are added in id order into an fp32 accumulator
 starting at zero (``fma(row, weight, acc)`` with per-sample weights), and the sum is
 multiplied by ``1 / L`` (mean) or 1 (sum) before the cast to the output dtype.
 
-A requester counts one arrival per row block of each owner, as for ``rows_put``: the
-programs of a row block tick ``done``, and the last of them (``done`` reaches
-``done_target``) adds one to the requester's counter, with release semantics at
-system scope, after every program's rows are visible.
+A requester counts one arrival per block of ``COUNT_B`` rows of each owner, as for
+``rows_put``: the programs of a block tick ``done``, and the last of them (``done``
+reaches ``done_target``) adds one to the requester's counter, with release semantics
+at system scope, after every program's rows are visible.
 
 Buffers:
     slots:     uint8, this step's generation of the ids mailbox: S slots of
@@ -23,13 +23,14 @@ Buffers:
                ``(f, s, b)`` is ``(f * S + s) * batch_capacity + b``
     features:  int64 [F, 4]  per feature: address of its table's row 0, dim, first
                column in the requester's output, 1 for mean pooling else 0
-    table:     any tensor of the tables' dtype (only its pointer type is used)
+    table:     any tensor of the tables' dtype (only its pointer type is used); rows
+               start at multiples of 4 elements (``ROW_ALIGN`` bytes)
     out_like:  any tensor of the output's dtype (only its pointer type is used)
     out_addrs: int64 [S]  address of each requester's output slot of this step,
                rows of ``pitch`` elements, through the peer mapping
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
-    done:      int64 [S, cdiv(batch_capacity, BLOCK_B)]  programs finished per row block,
-               over all steps (never reset)
+    done:      int64 [S, cdiv(batch_capacity, COUNT_B)]  programs finished per block of
+               ``COUNT_B`` rows, over all steps (never reset)
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
     err:       int64 [4]  error record (see ``signals.py``)
 """
@@ -38,12 +39,39 @@ import torch
 import triton
 import triton.language as tl
 
-# Row blocks as ``rows_put``'s: a requester counts them the same whichever kernel put them.
-from torchrec_pgas.kernels.rows_put import BLOCK_B, BLOCK_D
+# A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
+from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
 
-NUM_WARPS = 4
+#: One warp per bag, as FBGEMM (the fastest of BLOCK_B x warps = 2x2, 4x2, 4x4, 8x4, 8x8 at R1).
+BLOCK_B = 2
+BLOCK_D = 128
+NUM_WARPS = 2
+
+
+
+@triton.jit
+def _row(table, ids_ptr, w_ptr, j, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS: tl.constexpr):
+    """Row ``j`` of every bag of the tile (zeros past a bag's end), its per-sample
+    weight, and which bags have one."""
+    take = row_ok & (j < L)
+    idx = tl.load(ids_ptr + j, mask=take, other=0)
+    # FBGEMM's dims are multiples of 4: rows start 4-element aligned (vector loads).
+    row = tl.multiple_of(idx * dim, 4)
+    vals = tl.load(table + row[:, None] + cols[None, :], mask=take[:, None] & col_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + j, mask=take, other=0.0) if HAS_WEIGHTS else 0.0
+    return vals.to(tl.float32), w, take
+
+
+@triton.jit
+def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
+    if HAS_WEIGHTS:
+        step = tl.fma(vals, w[:, None], acc)
+    else:
+        step = acc + vals
+    # Bags shorter than the row keep their sum as it is, bit for bit.
+    return tl.where(take[:, None], step, acc)
 
 
 @triton.jit(
@@ -72,6 +100,8 @@ def lookup_put_kernel(
     free_target,
     timeout_ns,
     HAS_WEIGHTS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    COUNT_B: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -100,7 +130,7 @@ def lookup_put_kernel(
         w_ptr = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + pos
 
         meta = features_ptr + f * 4
-        table = tl.load(meta).to(table_ptr.dtype, bitcast=True)
+        table = tl.multiple_of(tl.load(meta).to(table_ptr.dtype, bitcast=True), ROW_ALIGN)
         dim = tl.load(meta + 1)
         col = tl.load(meta + 2)
         # FBGEMM multiplies by 1/L (IEEE division) for mean and by 1 for sum.
@@ -116,33 +146,29 @@ def lookup_put_kernel(
             cols = d0 + tl.arange(0, BLOCK_D)
             col_ok = cols < dim
             acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            for j in range(0, longest):
-                take = row_ok & (j < L)
-                idx = tl.load(ids_ptr + j, mask=take, other=0)
-                vals = tl.load(
-                    table + idx[:, None] * dim + cols[None, :],
-                    mask=take[:, None] & col_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                if HAS_WEIGHTS:
-                    w = tl.load(w_ptr + j, mask=take, other=0.0)
-                    step = tl.fma(vals, w[:, None], acc)
-                else:
-                    step = acc + vals
-                # Bags shorter than j keep their sum as it is, bit for bit.
-                acc = tl.where(take[:, None], step, acc)
+            # Four rows in flight per bag, added in id order.
+            for j in range(0, longest, 4):
+                v0, w0, t0 = _row(table, ids_ptr, w_ptr, j, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
+                v1, w1, t1 = _row(table, ids_ptr, w_ptr, j + 1, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
+                v2, w2, t2 = _row(table, ids_ptr, w_ptr, j + 2, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
+                v3, w3, t3 = _row(table, ids_ptr, w_ptr, j + 3, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
+                acc = _add(acc, v0, w0, t0, HAS_WEIGHTS)
+                acc = _add(acc, v1, w1, t1, HAS_WEIGHTS)
+                acc = _add(acc, v2, w2, t2, HAS_WEIGHTS)
+                acc = _add(acc, v3, w3, t3, HAS_WEIGHTS)
             acc = acc * inv_L[:, None]
             tl.store(
                 out + dst_rows[:, None] + cols[None, :],
                 acc.to(out_like_ptr.dtype.element_ty),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
-    # Every program ticks its row block, also one past its requester's batch, so the
-    # target stays F per launch; only programs that stored rows count in.
+    # Requesters count blocks of COUNT_B rows. Every program ticks its block, also one
+    # past its requester's batch, so the target stays fixed per launch; the last one
+    # counts the block in if it holds rows, once every program's rows are visible.
     tl.debug_barrier()
-    n_blk = tl.cdiv(batch_capacity, BLOCK_B)
-    done = tl.atomic_add(done_ptr + s * n_blk + blk, 1, sem="acq_rel", scope="sys")
-    if ok & (done + 1 == done_target):
+    block = blk // (COUNT_B // BLOCK_B)
+    done = tl.atomic_add(done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block, 1, sem="acq_rel", scope="sys")
+    if (done + 1 == done_target) & (block * COUNT_B < batch):
         cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
         tl.atomic_add(cnt, 1, sem="release", scope="sys")
 
@@ -160,25 +186,27 @@ def lookup_put(
     err: torch.Tensor,
     layout: IdsSlotLayout,
     pitch: int,
-    done_target: int,
+    launch: int,
     has_weights: bool,
     free_target: int,
     timeout_ns: int,
 ) -> None:
-    """Launches ``(S, cdiv(batch_capacity, BLOCK_B), F)`` programs (see the module
-    docstring); ``done_target`` is ``F`` times the number of launches so far."""
+    """Launches ``(S, cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, F)`` programs (see the module
+    docstring); ``launch`` counts this launch and the ones before it on ``done``."""
     S, F = out_addrs.numel(), features.size(0)
     if F == 0:
         return
-    grid = (S, triton.cdiv(layout.batch_capacity, BLOCK_B), F)
+    # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
+    grid = (S, triton.cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), F)
     lookup_put_kernel[grid](
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
-        pitch, done_target, free_target, timeout_ns,
-        HAS_WEIGHTS=has_weights, BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
+        pitch, launch * F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
+        HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), COUNT_B=COUNT_B,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
     )
 
 
 def done_counters(num_sources: int, layout: IdsSlotLayout, device: torch.device) -> torch.Tensor:
-    """The zeroed ``done`` buffer for ``lookup_put`` (one word per row block)."""
-    return torch.zeros(num_sources, triton.cdiv(layout.batch_capacity, BLOCK_B), dtype=torch.int64, device=device)
+    """The zeroed ``done`` buffer for ``lookup_put`` (one word per block of rows)."""
+    return torch.zeros(num_sources, triton.cdiv(layout.batch_capacity, COUNT_B), dtype=torch.int64, device=device)

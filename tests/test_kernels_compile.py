@@ -99,10 +99,9 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
          "cnt_addrs_ptr": "*i64", "done_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
          "batch_capacity": "i32", "slot_bytes": "i64", "ids_offset": "i64",
          "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
-         "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "BLOCK_B": "constexpr",
-         "BLOCK_D": "constexpr"},
-        [{"HAS_WEIGHTS": True, "BLOCK_B": 32, "BLOCK_D": 128},
-         {"HAS_WEIGHTS": False, "BLOCK_B": 32, "BLOCK_D": 128}],
+         "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "ROW_ALIGN": "constexpr",
+         "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr"},
+        [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": 4, "BLOCK_D": 128} for w in (True, False)],
     )
 
 

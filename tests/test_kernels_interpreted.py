@@ -285,7 +285,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
             slots, offsets, features, tables[0], outs[0],
             torch.tensor([o.data_ptr() for o in outs]), torch.tensor([c.data_ptr() + 8 * me for c in counters]),
             done, torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-            layout, pitch, F * launch, weighted, 0, 10**9,
+            layout, pitch, launch, weighted, 0, 10**9,
         )
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]

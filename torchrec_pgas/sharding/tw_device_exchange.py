@@ -330,7 +330,7 @@ class DeviceTwExchange(BaseTwExchange):
                 slots, offsets, tables, emb_modules[0].emb_module.weights_dev,
                 self._out_views[0], self._out_addrs[out_step % DEFAULT_DEPTH], self._my_counts,
                 self._done, self._out_free, self._t.err, layout, self._dim_total,
-                self._lookup_puts * tables.size(0), self._weighted,
+                self._lookup_puts, self._weighted,
                 max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
             route.put_by_lookup = True
