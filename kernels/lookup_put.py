@@ -41,7 +41,7 @@ import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
-from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
 
 #: One warp per bag, as FBGEMM (the fastest of BLOCK_B x warps = 2x2, 4x2, 4x4, 8x4, 8x8 at R1).
@@ -169,8 +169,7 @@ def lookup_put_kernel(
     block = blk // (COUNT_B // BLOCK_B)
     done = tl.atomic_add(done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block, 1, sem="acq_rel", scope="sys")
     if (done + 1 == done_target) & (block * COUNT_B < batch):
-        cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
-        tl.atomic_add(cnt, 1, sem="release", scope="sys")
+        count_in(cnt_addrs_ptr, s)
 
 
 def lookup_put(

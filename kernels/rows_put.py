@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 
 BLOCK_B = 32
 BLOCK_D = 128
@@ -68,8 +68,7 @@ def rows_put_kernel(
                 tl.store(out + dst_rows[:, None] + cols[None, :], vals, mask=mask)
             # Every thread's stores are issued before the one release below.
             tl.debug_barrier()
-            cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
-            tl.atomic_add(cnt, 1, sem="release", scope="sys")
+            count_in(cnt_addrs_ptr, s)
 
 
 def rows_put(

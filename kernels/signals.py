@@ -1,4 +1,5 @@
-"""Device helpers shared by the kernels: a signal wait with a timeout.
+"""Device helpers shared by the kernels: a signal wait with a timeout, and the count-in
+of stored rows.
 
 NVSHMEM's own ``nvshmem_signal_wait_until`` cannot time out, and a kernel that spins
 forever hangs the process with no message. These helpers spin with an acquire load
@@ -32,3 +33,12 @@ def wait_ge(sig_ptr, target, timeout_ns, err_ptr, peer, what):
         tl.store(err_ptr + 2, what)
         tl.store(err_ptr + 3, target)
     return ok
+
+
+@triton.jit
+def count_in(cnt_addrs_ptr, s):
+    """Adds one to requester ``s``'s counter word for this rank (``cnt_addrs[s]``, an
+    address through the peer mapping), with release semantics at system scope: the
+    rows this program stored before are visible to whoever sees the count."""
+    cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
+    tl.atomic_add(cnt, 1, sem="release", scope="sys")
