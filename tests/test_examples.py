@@ -27,6 +27,31 @@ def test_train_checkpoint_and_serve_under_the_other_sharding(tmp_path, trained, 
     assert f"predictions of {trained} and {served}: identical" in out, out
 
 
+def test_training_resumes_from_its_checkpoint_with_the_optimizer_state(tmp_path):
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    args = ("--sharding", "pgas_table_wise", "--steps", "10", "--batch-size", "64")
+    _torchrun("train.py", *args, "--checkpoint", first)
+    out = _torchrun("train.py", *args, "--resume", first, "--checkpoint", second)
+    assert "pgas_table_wise: 10 steps on 2 x cpu" in out
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def momenta(ckpt):
+        dcp_to_torch_save(ckpt, ckpt + ".pt")
+        state = torch.load(ckpt + ".pt", weights_only=False)
+        return {
+            name: m for k, v in state["optim"]["state"].items() if "embedding_bags" in k
+            for name, m in v.items() if name.endswith("momentum1")
+        }
+
+    before, after = momenta(first), momenta(second)
+    assert before, "the fused optimizer's state is in the checkpoint"
+    # Row-wise Adagrad only adds to its momentum: the resumed run started from the
+    # saved one (a fresh start on the same batches would end where the first run did).
+    for k, b in before.items():
+        assert (after[k] >= b).all() and after[k].sum() > b.sum(), k
+
+
 def test_train_on_criteo_tsv_learns(tmp_path):
     sample = str(tmp_path / "sample.tsv")
     subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "16000"], check=True)

@@ -53,9 +53,9 @@ def main() -> None:
     predictions: Dict[str, List[torch.Tensor]] = {}
     for sharding in shardings:
         model = shard(args, sharding, device)
-        state = model.state_dict()
+        state = {"model": model.state_dict()}  # the weights; the optimizers' state stays
         dcp.load(state, checkpoint_id=args.checkpoint)
-        model.load_state_dict(state)
+        model.load_state_dict(state["model"])
         model.eval()
         times, preds = [], []
         with torch.no_grad():

@@ -52,15 +52,19 @@ def main() -> None:
     device = init_distributed()
     rank = dist.get_rank()
     model = shard(args, args.sharding, device)
-    if args.resume:
-        state = model.state_dict()
-        dcp.load(state, checkpoint_id=args.resume)
-        model.load_state_dict(state)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=args.lr),
     )
-    pipeline = TrainPipelineSparseDist(model, CombinedOptimizer([model.fused_optimizer, dense]), device)
+    optimizer = CombinedOptimizer([model.fused_optimizer, dense])
+    if args.resume:
+        # The weights and both optimizers' state (the fused one's is sharded like its
+        # tables): a resumed run goes on where the saved one stopped.
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=args.resume)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
 
     train = itertools.islice(batches(args, held_out=False), args.steps)
     losses, start = [], time.perf_counter()
@@ -81,7 +85,7 @@ def main() -> None:
     score = float(auroc.compute())
 
     if args.checkpoint:
-        dcp.save(model.state_dict(), checkpoint_id=args.checkpoint)
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=args.checkpoint)
     if rank == 0:
         rate = args.steps * args.batch_size * dist.get_world_size() / elapsed
         print(
