@@ -1,5 +1,6 @@
 """Real multi-process runs for the tests: gloo process groups on this machine."""
 
+import collections
 import copy
 import functools
 import os
@@ -179,9 +180,11 @@ def reference_pooled(
     """Pooled embeddings per feature in float64, bag by bag: the independent oracle
     (the unsharded module has no weighted mean pooling)."""
     if kjt.stride() == 0:  # KeyedJaggedTensor.to_dict cannot split an empty batch
+        assert len({f for t in tables for f in t.feature_names}) == sum(len(t.feature_names) for t in tables)
         return {f: torch.zeros(0, t.embedding_dim, dtype=torch.float64) for t in tables for f in t.feature_names}
     out = {}
     jt = kjt.to_dict()
+    uses = collections.Counter(f for t in tables for f in t.feature_names)
     for t in tables:
         table = weights[f"embedding_bags.{t.name}.weight"].double()
         for f in t.feature_names:
@@ -196,7 +199,9 @@ def reference_pooled(
                 if t.pooling == PoolingType.MEAN and len(ids):
                     pooled = pooled / len(ids)
                 rows.append(pooled)
-            out[f] = torch.stack(rows) if rows else table.new_zeros(0, t.embedding_dim)
+            # TorchRec names a feature that several tables pool "feature@table".
+            name = f if uses[f] == 1 else f"{f}@{t.name}"
+            out[name] = torch.stack(rows) if rows else table.new_zeros(0, t.embedding_dim)
     return out
 
 

@@ -29,6 +29,7 @@ from dist_utils import (
 )
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_row_wise
 from torchrec_pgas.transport import PgasTimeoutError, PgasTransportUnavailableError, get_transport
 from torchrec_pgas.types import PgasOptions
 
@@ -40,8 +41,10 @@ WORLD = 2
 
 @st.composite
 def cases(draw):
-    """A plan (tables, owners, weighting) and one batch per rank, with empty bags and
-    ids at the table bounds."""
+    """A plan (tables of one to three features, a feature that two tables pool, each
+    table ``pgas_table_wise`` on an owner or ``pgas_row_wise``, weighting) and one batch
+    per rank with its features in a random order, empty bags
+    and ids at the table bounds."""
     n = draw(st.integers(1, 4))
     tables = [
         dict(
@@ -49,39 +52,55 @@ def cases(draw):
             dim=4 * draw(st.integers(1, 4)),
             mean=draw(st.booleans()),
             owner=draw(st.integers(0, WORLD - 1)),
+            features=[f"f{i}_{j}" for j in range(draw(st.integers(1, 2)))],
         )
-        for _ in range(n)
+        for i in range(n)
     ]
+    for t in tables:  # pgas_row_wise beside pgas_table_wise, every rank with rows
+        t["row_wise"] = t["rows"] >= WORLD and draw(st.booleans())
+    if n >= 2 and draw(st.booleans()):
+        for t in draw(st.lists(st.sampled_from(tables), min_size=2, max_size=2, unique_by=id)):
+            t["features"].append("shared")
+    rows = {}  # a feature's ids must be rows of every table that pools it
+    for t in tables:
+        for f in t["features"]:
+            rows[f] = min(rows.get(f, t["rows"]), t["rows"])
+    keys = draw(st.permutations(sorted(rows)))
     weighted = draw(st.booleans())
     batches = []
     for _ in range(WORLD):
         b = draw(st.integers(1, 5))
         bags = []
-        for t in tables:
+        for f in keys:
             for _ in range(b):
-                ids = draw(st.lists(st.sampled_from([0, t["rows"] - 1, t["rows"] // 2]) | st.integers(0, t["rows"] - 1), max_size=4))
+                r = rows[f]
+                ids = draw(st.lists(st.sampled_from([0, r - 1, r // 2]) | st.integers(0, r - 1), max_size=4))
                 bags.append(ids)
         batches.append((b, bags))
-    return dict(tables=tables, weighted=weighted, batches=batches, seed=draw(st.integers(0, 2**16)))
+    return dict(tables=tables, keys=keys, weighted=weighted, batches=batches, seed=draw(st.integers(0, 2**16)))
 
 
 def _run_case(rank, case):
     specs = case["tables"]
     tables = [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=[f"f{i}"],
+            name=f"t{i}", embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=t["features"],
             pooling=PoolingType.MEAN if t["mean"] else PoolingType.SUM,
         )
         for i, t in enumerate(specs)
     ]
     torch.manual_seed(case["seed"])
     ref = EmbeddingBagCollection(tables=tables, is_weighted=case["weighted"], device=torch.device("cpu"))
-    model = shard(ref, tw_placement(tables, [t["owner"] for t in specs], pgas_tw), WORLD, PgasEmbeddingBagCollectionSharder())
+    placement = {
+        t.name: pgas_row_wise(compute_kernel="fused") if spec["row_wise"] else pgas_tw(spec["owner"])
+        for t, spec in zip(tables, specs)
+    }
+    model = shard(ref, placement, WORLD, PgasEmbeddingBagCollectionSharder())
     batch, bags = case["batches"][rank]
     values = torch.tensor([i for bag in bags for i in bag], dtype=torch.int64)
     g = torch.Generator().manual_seed(case["seed"] + rank)
     kjt = KeyedJaggedTensor(
-        keys=[f"f{i}" for i in range(len(specs))],
+        keys=list(case["keys"]),
         values=values,
         lengths=torch.tensor([len(bag) for bag in bags], dtype=torch.int64),
         weights=torch.rand(values.numel(), generator=g) if case["weighted"] else None,
@@ -239,22 +258,38 @@ def test_variable_batch_per_feature_raises_on_every_rank():
 # ---------------------------------------------------------------- dead rank
 
 
-def _dead_rank(rank, world_size):
-    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+def _dead_rank(rank, world_size, when):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from torchrec_pgas.sharding.tw_exchange import TwExchange
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)]
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=3))
-    model = shard(ref, tw_placement(tables, [0], pgas_tw), world_size, sharder)
-    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
-    model(kjt).to_dict()
+    sharder = PgasEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1},
+        options=PgasOptions(timeout_s=3),
+    )
+    model = shard(ref, tw_placement(tables, [0, 1], pgas_tw), world_size, sharder)
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    model(kjt).values().sum().backward()
     if rank == 1:
-        os._exit(0)  # dies between two steps, as a crashed trainer would
+        # dies as a crashed trainer would: between two steps, after sending its ids but
+        # before its rows, or in the backward before its gradients
+        if when == "between steps":
+            os._exit(0)
+        if when == "in forward":
+            TwExchange.exchange_pooled = lambda *args: os._exit(0)
     with pytest.raises(PgasTimeoutError, match=r"rank 0: timed out after 3.0 s waiting for .* from rank 1"):
-        model(kjt)
+        out = model(kjt).values()
+        if rank == 1:
+            out.register_hook(lambda grad: os._exit(0))
+        out.sum().backward()
     os._exit(0)  # the group is broken: no barrier, no teardown
 
 
-def test_a_dead_rank_makes_its_peers_raise_within_the_timeout():
-    run_ranks(_dead_rank, WORLD)
+@pytest.mark.parametrize("when", ["between steps", "in forward", "in backward"])
+def test_a_dead_rank_makes_its_peers_raise_within_the_timeout(when):
+    run_ranks(_dead_rank, WORLD, when=when)
 
 
 # --------------------------------------------------------------------- leaks
@@ -342,3 +377,46 @@ def _nvshmem_missing_on_rank_1(rank, world_size):
 
 def test_a_rank_without_nvshmem_makes_every_rank_raise_with_the_fix():
     run_ranks(_nvshmem_missing_on_rank_1, 2)
+
+
+def _fake_nvshmem(rank, failure):
+    """An nvshmem4py stand-in on CPU tensors that fails on rank 1 as ``failure`` says."""
+    import numpy as np
+
+    import torchrec_pgas.transport.nvshmem as transport
+
+    fake = types.ModuleType("nvshmem.core")
+    fake.NvshmemKernelObject = object
+    fake.get_unique_id = lambda empty: types.SimpleNamespace(_data=np.zeros(128, dtype=np.int8))
+
+    def init(**kwargs):
+        if failure == "init" and rank == 1:
+            raise RuntimeError("nvshmemi_bootstrap failed")
+
+    fake.init = init
+    fake.tensor = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
+    fake.get_peer_tensor = lambda t, pe: None if failure == "peer access" and rank == 1 and pe == 0 else t
+    sys.modules["nvshmem"] = types.ModuleType("nvshmem")
+    sys.modules["nvshmem.core"] = fake
+    transport._cuda_core_device = lambda index: None
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _nvshmem_fails_on_rank_1(rank, world_size, failure):
+    _fake_nvshmem(rank, failure)
+    options = PgasOptions(transport="nvshmem", timeout_s=5)
+    with pytest.raises(PgasTransportUnavailableError) as info:
+        get_transport(dist.group.WORLD, torch.device("cuda", 0), options)
+    message = str(info.value)
+    expected = {
+        "init": "rank 1: NVSHMEM initialization failed (nvshmemi_bootstrap failed); install",
+        "peer access": "rank 1: no peer (NVLink/P2P) access to ranks [0]",
+    }[failure]
+    assert expected in message, message
+    assert ("NVSHMEM_DEBUG=INFO" if failure == "init" else "nvidia-smi topo -m") in message, message
+
+
+@pytest.mark.parametrize("failure", ["init", "peer access"])
+def test_nvshmem_failing_on_one_rank_makes_every_rank_raise_with_the_fix(failure):
+    run_ranks(_nvshmem_fails_on_rank_1, 2, failure=failure)

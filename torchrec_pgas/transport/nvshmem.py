@@ -161,17 +161,21 @@ class NvshmemTransport(Transport):
             self._nvshmem.free_tensor(t)
 
     def _check_peer_access(self) -> None:
+        """Raises on every rank if some rank cannot map another's memory (collective:
+        the others would wait for it in the next collective)."""
         probe = self._tensor((1,), torch.int64)
         missing = [
             pe for pe in range(self.world_size)
             if self._nvshmem.get_peer_tensor(probe, pe) is None
         ]
+        problem = None
         if missing:
-            raise PgasTransportUnavailableError(
-                f"rank {self.rank} has no peer (NVLink/P2P) access to ranks {missing}: "
-                "pgas sharding on GPU needs every GPU of the group to reach every other "
-                "(check `nvidia-smi topo -m`, and CUDA_VISIBLE_DEVICES)"
+            problem = (
+                f"no peer (NVLink/P2P) access to ranks {missing}: pgas sharding on GPU "
+                "needs every GPU of the group to reach every other (check `nvidia-smi "
+                "topo -m`, and CUDA_VISIBLE_DEVICES)"
             )
+        raise_unless_every_rank_ready(self.group, problem)
         torch.cuda.synchronize(self.device)
         self.barrier()
 
