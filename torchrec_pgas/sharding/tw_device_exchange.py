@@ -211,7 +211,10 @@ class DeviceTwExchange(BaseTwExchange):
             self._allocate(batch, offsets)
         layout = self._layout
         assert layout is not None
-        self._release_held()
+        # A pipeline may send the next batch before this one's lookup; only a send that
+        # reuses the held slots' generation means the lookup is not coming.
+        if self._held is not None and self._send_step + 1 - self._held >= DEFAULT_DEPTH:
+            self._release_held()
         self._make_room()
         self._send_step += 1
         step = self._send_step
@@ -300,7 +303,7 @@ class DeviceTwExchange(BaseTwExchange):
         return groups
 
     def _release_held(self) -> None:
-        """Releases the slots of a step whose lookup never came (a dropped batch)."""
+        """Releases the slots of a step whose lookup will not come (a dropped batch)."""
         if self._held is not None:
             self._signal(self._all, self._ids_free, self._held)
             self._held = None
@@ -315,7 +318,7 @@ class DeviceTwExchange(BaseTwExchange):
         if self._held != step:
             raise PgasError(
                 f"{self._name}: rank {self._me} looked up a batch whose ids were released "
-                f"(a later batch went through the input dist before this one's lookup)"
+                f"(later batches were received, or {DEFAULT_DEPTH} were sent, before its lookup)"
             )
         tables = None if torch.is_grad_enabled() else self._table_rows(emb_modules)
         if tables is None:
