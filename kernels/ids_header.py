@@ -5,11 +5,18 @@ same for every owner, so every rank raises the same error) and, per owner, where
 lengths, ids and weights start in this rank's KJT. A batch that is not ``OK`` is sent
 as its header alone, so owners never see bad ids.
 
+The KJT that is routed (``values``, ``offsets``: each owner's features contiguous) may
+be another than the one ``ids_check`` checked (``check_values``, ``check_offsets``):
+row-wise sharding checks the ids against the whole tables, then routes them bucketed
+by row block. The problem's detail is read from the checked one.
+
 Buffers:
     verdict:         int64 [2]           see ``ids_check``
-    values:          int64 [n_ids]       the KJT's ids
-    offsets:         int  [F * batch + 1] the KJT's offsets
-    num_rows:        int64 [F]           rows of each feature's table
+    values:          int64 [n_ids]       the routed KJT's ids
+    offsets:         int  [F * batch + 1] the routed KJT's offsets
+    check_values:    int64 [n_ids]       the checked KJT's ids
+    check_offsets:   int  [C * batch + 1] the checked KJT's offsets (C features)
+    num_rows:        int64 [C]           rows of each checked feature's table
     owner_features:  int64 [W + 1]       owner w's features are ``[owner_features[w],
                                          owner_features[w + 1])``
     headers:         int64 [W, 8]        out: one slot header per owner (``ids_slot``)
@@ -33,7 +40,7 @@ _BAD_LENGTHS = tl.constexpr(Status.BAD_LENGTHS.value)
 
 @triton.jit(
     do_not_specialize=[
-        "batch", "n_ids", "num_features", "has_weights", "host_status", "host_d0", "host_d1",
+        "batch", "n_ids", "num_features", "num_check_features", "has_weights", "host_status", "host_d0", "host_d1",
         "host_d2", "batch_capacity",
         "ids_capacity", "slot_offset", "lengths_offset", "ids_offset", "weights_offset",
         "lengths_addr", "values_addr", "weights_addr", "headers_addr",
@@ -43,6 +50,8 @@ def ids_header_kernel(
     verdict_ptr,
     values_ptr,
     offsets_ptr,
+    check_values_ptr,
+    check_offsets_ptr,
     num_rows_ptr,
     owner_features_ptr,
     headers_ptr,
@@ -50,6 +59,7 @@ def ids_header_kernel(
     batch,
     n_ids,
     num_features,
+    num_check_features,
     has_weights,
     host_status,
     host_d0,
@@ -82,11 +92,11 @@ def ids_header_kernel(
 
     bad_pos = tl.load(verdict_ptr)
     negative_pos = tl.load(verdict_ptr + 1)
-    feature = num_features * 0
-    for f in range(num_features):
-        feature = tl.where(tl.load(offsets_ptr + f * batch) <= bad_pos, f, feature)
+    feature = num_check_features * 0
+    for f in range(num_check_features):
+        feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
     has_bad = bad_pos < NONE
-    bad_id = tl.load(values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
+    bad_id = tl.load(check_values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
 
     # Later checks win: a batch that fails several reports the most basic problem.
     status = tl.where(has_bad, _OUT_OF_RANGE, _OK)
@@ -150,15 +160,20 @@ def ids_header(
     host_problem: "tuple | None",
     layout: IdsSlotLayout,
     slot_offset: int,
+    checked: "tuple[torch.Tensor, torch.Tensor] | None" = None,
 ) -> None:
     """Fills ``headers`` and ``chunks`` for one batch (see the module docstring).
-    ``host_problem`` is ``(Status, detail)`` of a problem the host found, if any."""
+    ``host_problem`` is ``(Status, detail)`` of a problem the host found, if any;
+    ``checked`` the ``(values, offsets)`` that ``ids_check`` checked, if not the routed
+    ones."""
     world = headers.size(0)
     status, detail = host_problem if host_problem is not None else (-1, ())
     d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
+    check_values, check_offsets = checked if checked is not None else (values, offsets)
     ids_header_kernel[(1,)](
-        verdict, values, offsets, num_rows, owner_features, headers, chunks,
-        batch, values.numel(), num_rows.numel(), int(weights is not None),
+        verdict, values, offsets, check_values, check_offsets, num_rows, owner_features,
+        headers, chunks, batch, values.numel(), lengths.numel() // max(batch, 1),
+        num_rows.numel(), int(weights is not None),
         int(status), d0, d1, d2,
         layout.batch_capacity, layout.ids_capacity, slot_offset,
         layout.lengths_offset, layout.ids_offset, layout.weights_offset,

@@ -63,8 +63,10 @@ CASES = {
     "ids_header": (
         ids_header_kernel,
         {"verdict_ptr": "*i64", "values_ptr": "*i64", "offsets_ptr": "*i32",
+         "check_values_ptr": "*i64", "check_offsets_ptr": "*i64",
          "num_rows_ptr": "*i64", "owner_features_ptr": "*i64", "headers_ptr": "*i64",
          "chunks_ptr": "*i64", "batch": "i32", "n_ids": "i64", "num_features": "i32",
+         "num_check_features": "i32",
          "has_weights": "i32", "host_status": "i32", "host_d0": "i64", "host_d1": "i64",
          "host_d2": "i64", "batch_capacity": "i32",
          "ids_capacity": "i64", "slot_offset": "i64", "lengths_offset": "i64",

@@ -161,6 +161,53 @@ def test_source_headers_match_the_oracle(k, seed, problem):
         assert int(chunks[w, 3, 1]) == headers.data_ptr() + w * HEADER_WORDS * 8
 
 
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("problem", ["none", "too_large", "negative_id"])
+def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
+    """Row-wise: ids are checked as given, then routed bucketed by row block (owner-major
+    features, ids local to the block): headers carry the routed counts and the checked
+    batch's problem."""
+    g = torch.Generator().manual_seed(50 + seed)
+    rnd = random.Random(seed)
+    F, W, B = rnd.randint(1, 4), rnd.randint(1, 4), rnd.randint(1, 6)
+    rows = torch.randint(W, 40, (F,), generator=g)
+    lengths, values = _source_batch(g, F, B, rows)
+    if problem == "too_large" and values.numel():
+        values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
+    if problem == "negative_id" and values.numel():
+        values[rnd.randrange(values.numel())] = -1
+    offsets = _offsets(lengths)
+    block = (rows + W - 1) // W
+    routed_lengths, routed_values = [], []
+    for o in range(W):
+        for f in range(F):
+            for b in range(B):
+                bag = values[offsets[f * B + b] : offsets[f * B + b + 1]]
+                mine = bag[(bag // block[f]) == o] - o * block[f]
+                routed_lengths.append(mine.numel())
+                routed_values.append(mine)
+    routed_lengths = torch.tensor(routed_lengths, dtype=torch.int32)
+    routed_values = torch.cat(routed_values)
+    routed_offsets = _offsets(routed_lengths)
+    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5)
+    verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
+    headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
+    chunks = torch.zeros(W, 4, 3, dtype=torch.int64)
+    k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
+    k.ids_header.ids_header(
+        verdict, routed_values, routed_offsets, routed_lengths, None, rows,
+        torch.arange(W + 1) * F, headers, chunks, B, None, layout, 0, checked=(values, offsets),
+    )
+    # The problem and its detail, as a single owner of the checked batch would report it.
+    (expected,), _ = _expected(problem, lengths, values, rows, torch.tensor([0, F]), B, layout, False)
+    ok = expected[0] == Status.OK
+    for o in range(W):
+        n = int(routed_lengths[o * F * B : (o + 1) * F * B].sum())
+        assert headers[o].tolist() == [expected[0], B, n if ok else 0, 0, *expected[4:7], 0], o
+        assert chunks[o, :, 2].tolist() == ([F * B * 4, n * 8, 0, 64] if ok else [0, 0, 0, 64]), o
+
+
 def _owner_slots(g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True):
     """The ids slots of one step at an owner of ``F`` features, from ``S`` sources with
     random batch sizes (one source, at random, reporting a bad batch), and what was

@@ -296,13 +296,12 @@ def test_entry_point_resolves_to_register() -> None:
     assert getattr(importlib.import_module(module_name), attr) is registration.register
 
 
-def test_sharder_offers_pgas_row_wise_on_cpu_only_until_its_gpu_path_exists():
+def test_sharder_offers_both_pgas_types_on_cpu_and_gpu():
     from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
     sharder = PgasEmbeddingBagCollectionSharder()
-    assert {"pgas_table_wise", "pgas_row_wise"} <= set(sharder.sharding_types("cpu"))
-    assert "pgas_table_wise" in sharder.sharding_types("cuda")
-    assert "pgas_row_wise" not in sharder.sharding_types("cuda")
+    for device_type in ("cpu", "cuda"):
+        assert {"pgas_table_wise", "pgas_row_wise"} <= set(sharder.sharding_types(device_type))
 
 
 def test_pgas_row_wise_is_laid_out_like_row_wise():

@@ -120,9 +120,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self._pgas_options = options or PgasOptions()
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        # pgas_row_wise has no GPU path yet: never offer it where it would raise.
-        pgas = [t for t in PGAS_SHARDING_TYPES if t != PGAS_ROW_WISE or compute_device_type == "cpu"]
-        return super().sharding_types(compute_device_type) + pgas
+        return super().sharding_types(compute_device_type) + list(PGAS_SHARDING_TYPES)
 
     def shard(
         self,

@@ -5,6 +5,7 @@ output dists are ``dists.py``'s, driven by an exchange the subclass builds on fi
 use in ``_make_exchange``.
 """
 
+import os
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -15,8 +16,9 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingContext,
     EmbeddingShardingInfo,
 )
-from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
+from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor, EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.dists import (
@@ -25,6 +27,20 @@ from torchrec_pgas.sharding.dists import (
     PgasSparseFeaturesDist,
 )
 from torchrec_pgas.types import PgasOptions
+
+
+def lookup_options(configs: List[Any]) -> Dict[str, Any]:
+    """What the GPU exchanges need to know of the owner's lookup groups."""
+    fused = all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
+    return dict(
+        group_sizes=[c.num_features() for c in configs],
+        weighted=any(c.is_weighted for c in configs),
+        # Caching kernels prefetch over the whole index tensor, and FBGEMM's bounds
+        # check may be forced on from the environment: both read past the bags.
+        lookup_reads_only_bags=fused and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
+        fused_lookup=fused
+        and all(c.pooling in (PoolingType.SUM, PoolingType.MEAN) and not c.has_feature_processor for c in configs),
+    )
 
 
 def output_dtype(sharding_infos: List[EmbeddingShardingInfo]) -> torch.dtype:

@@ -4,7 +4,7 @@ distributions.
 Rows are placed, stored, looked up and optimized as TorchRec's ``row_wise`` does
 (``RwPooledEmbeddingSharding``), so ``state_dict`` and checkpoints are interchangeable
 with it; the bucketize + all-to-all and the reduce-scatter are replaced by the
-exchange in ``rw_exchange``. Host transport only for now: on GPUs it raises.
+exchange in ``rw_exchange`` (host transport) or ``rw_device_exchange`` (GPUs).
 """
 
 from typing import Any, List
@@ -14,10 +14,10 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.base import PgasShardingMixin, lookup_options
 from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature
-from torchrec_pgas.transport import PgasTransportUnavailableError, get_transport
+from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 
@@ -51,20 +51,15 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
         super().__init__(*args, **kwargs)
         _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
 
-    def _make_exchange(self, device: torch.device) -> RwExchange:
-        if device.type != "cpu":
-            raise PgasTransportUnavailableError(
-                f"{PGAS_ROW_WISE} runs on CPU (host transport) only so far; "
-                f"use row_wise or pgas_table_wise on {device.type}"
-            )
+    def _make_exchange(self, device: torch.device) -> Any:
         assert self._pg is not None
         tables_per_rank = [
             [t for config in configs for t in config.embedding_tables]
             for configs in self._grouped_embedding_configs_per_rank
         ]
         mine = tables_per_rank[self._rank]
-        return RwExchange(
-            transport=get_transport(self._pg, device, self._options),
+        transport = get_transport(self._pg, device, self._options)
+        args = dict(
             features=[TwFeature(f, t.name, t.num_embeddings) for t in mine for f in t.feature_names],
             local_rows=[[t.local_rows for t in tables for _ in t.feature_names] for tables in tables_per_rank],
             dims=[t.embedding_dim for t in mine for _ in t.feature_names],
@@ -73,3 +68,8 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             headroom=self._options.headroom,
             name=PGAS_ROW_WISE,
         )
+        if transport.device.type != "cuda":
+            return RwExchange(transport=transport, **args)
+        from torchrec_pgas.sharding.rw_device_exchange import DeviceRwExchange
+
+        return DeviceRwExchange(transport=transport, **args, **lookup_options(self._grouped_embedding_configs))  # type: ignore[arg-type]

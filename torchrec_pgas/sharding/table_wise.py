@@ -8,15 +8,12 @@ optimizers behave identically. Only the two collectives are replaced: see
 ``tw_exchange`` for the algorithm.
 """
 
-import os
 from typing import Any, List
 
 import torch
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.base import PgasShardingMixin, lookup_options
 from torchrec_pgas.sharding.tw_base import TwFeature
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import get_transport
@@ -55,16 +52,5 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             return TwExchange(transport=transport, **args)
         from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 
-        configs = self._grouped_embedding_configs
-        fused = all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
-        return DeviceTwExchange(
-            transport=transport,  # type: ignore[arg-type]
-            group_sizes=[c.num_features() for c in configs],
-            weighted=any(c.is_weighted for c in configs),
-            # Caching kernels prefetch over the whole index tensor, and FBGEMM's bounds
-            # check may be forced on from the environment: both read past the bags.
-            lookup_reads_only_bags=fused and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
-            fused_lookup=fused
-            and all(c.pooling in (PoolingType.SUM, PoolingType.MEAN) and not c.has_feature_processor for c in configs),
-            **args,
-        )
+        return DeviceTwExchange(transport=transport, **args, **lookup_options(self._grouped_embedding_configs))  # type: ignore[arg-type]
+

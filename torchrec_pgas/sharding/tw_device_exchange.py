@@ -95,6 +95,7 @@ class DeviceRoute:
     headers: torch.Tensor  # [S, 8] int64: every source's header of the step
     my_batch: int  # this rank's batch size as its header reports it
     put_by_lookup: bool = False  # the rows were put by ``lookup_put`` already
+    divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
 
 
 class _Symmetric:
@@ -136,6 +137,9 @@ class DeviceTwExchange(BaseTwExchange):
         self._group_first = [sum(self._group_sizes[:g]) for g in range(len(self._group_sizes))]
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
+        # Owners store into one output block at their columns (table-wise), or each
+        # into its own block of full rows (row-wise partial sums).
+        self._out_blocks, self._my_out_block = 1, 0
         self._fused_lookup = fused_lookup
         self._lookup_puts = 0
         self._tables_key: Tuple[int, ...] = ()
@@ -159,7 +163,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._ids = t._tensor((depth * world * layout.nbytes,), torch.uint8)
         self._ids_ready = t._tensor((world,), torch.int64)
         self._ids_free = t._tensor((world,), torch.int64)
-        self._out_slot = rows * self._dim_total * self._elem
+        self._out_slot = self._out_blocks * rows * self._dim_total * self._elem
         self._out = _Symmetric(t, (depth * self._out_slot,), torch.uint8)
         self._out_count = _Symmetric(t, (world,), torch.int64)
         self._out_free = t._tensor((world,), torch.int64)
@@ -170,11 +174,14 @@ class DeviceTwExchange(BaseTwExchange):
         self._done = done_counters(world, layout, self._dev)
         # Per-step constants, built once: every small tensor op is host time on the
         # critical path of a step.
-        self._out_addrs = [self._out.peers + g * self._out_slot for g in range(depth)]
+        mine = self._my_out_block * rows * self._dim_total * self._elem
+        self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
         self._out_views = [
-            self._out.local[g * self._out_slot : (g + 1) * self._out_slot].view(self._out_dtype).view(rows, self._dim_total)
+            self._out.local[g * self._out_slot : (g + 1) * self._out_slot]
+            .view(self._out_dtype)
+            .view(self._out_blocks, rows, self._dim_total)
             for g in range(depth)
         ]
         # When the model goes, its buffers go back to the transport.
@@ -207,6 +214,9 @@ class DeviceTwExchange(BaseTwExchange):
             values = values.to(torch.int64)
             weights = weights.to(torch.float32) if weights is not None else None
         lengths, offsets = kjt.lengths().to(torch.int32), kjt.offsets()
+        checked = (values, offsets, lengths)
+        if problem is None:
+            values, offsets, lengths, weights = self._route(kjt, values, offsets, lengths, weights)
         if self._layout is None:
             self._allocate(batch, offsets)
         layout = self._layout
@@ -225,10 +235,11 @@ class DeviceTwExchange(BaseTwExchange):
         headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         chunks = torch.empty(world, 4, 3, dtype=torch.int64, device=self._dev)
         if problem is None:
-            ids_check(values, offsets, lengths, self._num_rows, verdict, batch)
+            ids_check(*checked, self._num_rows, verdict, batch)
         ids_header(
             verdict, values, offsets, lengths, weights, self._num_rows, self._owner_features,
             headers, chunks, batch, problem, layout, self._ids_slot_offset(self._me, step),
+            checked=checked[:2],
         )
         put_signal(
             self._all, chunks, self._ids, self._ids_ready, self._ids_free, self._t.err,
@@ -236,6 +247,15 @@ class DeviceTwExchange(BaseTwExchange):
         )
         self._my_batches.append(batch if batch <= layout.batch_capacity else 0)
         return step
+
+    def _route(
+        self, kjt: KeyedJaggedTensor, values: torch.Tensor, offsets: torch.Tensor,
+        lengths: torch.Tensor, weights: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The batch as it is routed, each owner's features contiguous (table-wise:
+        already so, TorchRec orders the sharding's features by rank); the checks run on
+        ``kjt`` as given."""
+        return values, offsets, lengths, weights
 
     def _drop_next(self) -> None:
         self._recv_step += 1
@@ -402,10 +422,14 @@ class DeviceTwExchange(BaseTwExchange):
         self._expected_rows += programs_per_requester(route.my_batch)
         self._wait(self._out_count.local, self._owners, self._expected_rows)
         # The slot is reused two steps on, the output may live longer.
-        out = self._out_views[step % DEFAULT_DEPTH][: route.my_batch].clone()
+        out = self._output(self._out_views[step % DEFAULT_DEPTH], route.my_batch)
         self._signal(self._owners, self._out_free, step)
         self._check(route.headers)
         return out
+
+    def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's output from its output slot's blocks (``[blocks, rows, dims]``)."""
+        return blocks[0, :batch].clone()
 
     def _check(self, headers: torch.Tensor) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""

@@ -1,0 +1,110 @@
+"""The row-wise algorithm on GPUs: ``tw_device_exchange``'s kernels on row blocks.
+
+Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
+``ceil(rows / world)`` rows). What differs from table-wise:
+
+* ``send_ids``: ids are checked against the whole tables, then bucketed by row block
+  on the device (FBGEMM's ``block_bucketize_sparse_features``, as TorchRec does), and
+  owner ``o``'s bucket, with ids local to its block, goes into its slot. Nothing is
+  read back: a bucket holds exactly the ids of its block, whatever their count.
+* ``exchange_pooled``: every owner pools partial sums of every feature and stores
+  them into its own block of the requester's output slot (``[world, rows, dims]``);
+  the requester adds the blocks in rank order (deterministic), then divides mean
+  pooled columns by the bag lengths it kept from its send.
+* ``exchange_grads``: each owner needs the whole gradient of its sources' samples, so
+  the requester puts all of ``grad_out`` into every owner's slot.
+"""
+
+import collections
+from typing import Any, Deque, List, Optional, Sequence, Tuple
+
+import torch
+from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.tw_base import TwFeature, route_of
+from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange, LookupBatch
+from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+
+class DeviceRwExchange(DeviceTwExchange):
+    """GPU counterpart of ``RwExchange`` (arguments: its own, plus the lookup's
+    ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
+    for ``DeviceTwExchange``)."""
+
+    def __init__(
+        self,
+        transport: NvshmemTransport,
+        features: Sequence[TwFeature],
+        local_rows: Sequence[Sequence[int]],
+        dims: Sequence[int],
+        mean: Sequence[bool],
+        **kwargs: Any,
+    ) -> None:
+        world = transport.world_size
+        super().__init__(
+            transport,
+            features_per_rank=[
+                [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])]
+                for r in range(world)
+            ],
+            dim_sum_per_rank=[sum(dims)] * world,
+            input_features=features,
+            **kwargs,
+        )
+        # Every owner covers every column, into its own block of the output slot.
+        self._dim_total = sum(dims)
+        self._col_offsets = [0] * world
+        self._out_blocks, self._my_out_block = world, self._me
+        self._block_sizes = torch.tensor(
+            [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64, device=self._dev
+        )
+        starts = [sum(dims[:i]) for i in range(len(dims))]
+        self._mean_columns: List[Tuple[int, int, int]] = [
+            (i, starts[i], dims[i]) for i in range(len(dims)) if mean[i]
+        ]
+        self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
+
+    def _route(
+        self, kjt: KeyedJaggedTensor, values: torch.Tensor, offsets: torch.Tensor,
+        lengths: torch.Tensor, weights: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
+        with ids local to its block. Bad ids land in some bucket (FBGEMM hashes ids
+        past the blocks), but such a batch is sent as its header alone."""
+        whole = KeyedJaggedTensor(
+            keys=self._input_keys, values=values, lengths=kjt.lengths(), weights=weights, stride=kjt.stride()
+        )
+        bucketed, _ = bucketize_kjt_before_all2all(whole, num_buckets=self._t.world_size, block_sizes=self._block_sizes)
+        return bucketed.values(), bucketed.offsets(), bucketed.lengths().to(torch.int32), bucketed.weights_or_none()
+
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+        self._divisors.append(self._divisor(kjt))
+        return super().send_ids(kjt)
+
+    def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+        """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
+        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):
+            return None
+        batch = kjt.stride()
+        lengths = kjt.lengths().view(len(self._input_features), batch)
+        divisor = torch.ones(batch, self._dim_total, dtype=self._out_dtype, device=self._dev)
+        for feature, start, dim in self._mean_columns:
+            divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
+        return divisor
+
+    def _drop_next(self) -> None:
+        super()._drop_next()
+        self._divisors.popleft()
+
+    def recv_ids(self, step: int) -> LookupBatch:
+        batch = super().recv_ids(step)
+        route_of(batch, self._name).divisor = self._divisors.popleft()
+        return batch
+
+    def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
+        """The owners' partial sums added in rank order."""
+        out = blocks[0, :batch].clone()
+        for owner in range(1, blocks.size(0)):
+            out += blocks[owner, :batch]
+        return out
