@@ -159,7 +159,7 @@ def lookup_put_kernel(
             acc = acc * inv_L[:, None]
             tl.store(
                 out + dst_rows[:, None] + cols[None, :],
-                acc.to(out_like_ptr.dtype.element_ty),
+                acc.to(out_like_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
     # Requesters count blocks of COUNT_B rows. Every program ticks its block, also one
@@ -169,7 +169,10 @@ def lookup_put_kernel(
     block = blk // (COUNT_B // BLOCK_B)
     done = tl.atomic_add(done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block, 1, sem="acq_rel", scope="sys")
     if (done + 1 == done_target) & (block * COUNT_B < batch):
-        count_in(cnt_addrs_ptr, s)
+        # Not after a program of the block timed out: the requester must time out too
+        # rather than read rows that were never stored.
+        if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
+            count_in(cnt_addrs_ptr, s)
 
 
 def lookup_put(

@@ -208,11 +208,11 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
         assert chunks[o, :, 2].tolist() == ([F * B * 4, n * 8, 0, 64] if ok else [0, 0, 0, 64]), o
 
 
-def _owner_slots(g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True):
+def _owner_slots(g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True, max_batch: int = 6):
     """The ids slots of one step at an owner of ``F`` features, from ``S`` sources with
     random batch sizes (one source, at random, reporting a bad batch), and what was
     sent: per source, its lengths ``[F, batch]``, ids, weights and whether it is OK."""
-    batches = [rnd.randint(0, 6) for _ in range(S)]
+    batches = [rnd.randint(0, max_batch) for _ in range(S)]
     cap = max(batches + [1]) + rnd.randint(0, 2)
     layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=4 * F * cap)
     slots = torch.zeros(S * layout.nbytes, dtype=torch.uint8)
@@ -313,7 +313,10 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     rnd = random.Random(seed)
     S, F = rnd.randint(1, 3), rnd.randint(1, 3)
     weighted = seed % 2 == 1
-    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted)
+    # Several blocks of counted rows, and outputs in the tables' dtype or in fp32.
+    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted, max_batch=70)
+    # (bf16 outputs stay out: the interpreter truncates fp32 to bf16, GPUs round to nearest.)
+    out_dtype = dtype if seed < 2 and dtype != torch.bfloat16 else torch.float32
     cap = layout.batch_capacity
     dims = [rnd.choice([4, 12, 128, 136]) for _ in range(F)]  # past BLOCK_D too
     means = [rnd.random() < 0.5 for _ in range(F)]
@@ -323,7 +326,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     pitch = first_col + sum(dims) + rnd.randint(0, 5)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
     offsets = k.bag_lengths.bag_offsets(slots, F, layout)
-    outs = [torch.full((cap, pitch), -1.0) for _ in range(S)]
+    outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
     me = rnd.randrange(4)
     done = k.lookup_put.done_counters(S, layout, slots.device)
@@ -353,7 +356,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
                     acc = acc * (1.0 / torch.tensor(float(n)))
                 got = outs[s][i, cols[f] : cols[f] + dims[f]]
                 if weighted:
-                    torch.testing.assert_close(got, acc, rtol=1e-6, atol=1e-6)
+                    torch.testing.assert_close(got.float(), acc.to(out_dtype).float(), rtol=1e-2, atol=1e-3)
                 else:
-                    assert torch.equal(got, acc), (s, f, i)
+                    assert torch.equal(got, acc.to(out_dtype)), (s, f, i)
                 start += int(lengths[f, i])

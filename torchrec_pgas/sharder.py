@@ -65,11 +65,17 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # raises at the end of this step instead of one rank failing alone.
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
         problem = _input_problem(features) if pgas and isinstance(features, KeyedJaggedTensor) else None
-        if problem is not None:
+        if problem is None:
+            return super().input_dist(ctx, features)
+        for sharding in pgas:
+            sharding.report_input_problem(*problem)
+        try:
+            return super().input_dist(ctx, _empty_like(features))
+        finally:
+            # Each send took its report; one that failed before sending must not pass
+            # the report on to the next batch.
             for sharding in pgas:
-                sharding.report_input_problem(*problem)
-            features = _empty_like(features)
-        return super().input_dist(ctx, features)
+                sharding.report_input_problem(None, None)
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -15,19 +15,19 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
   the requester puts all of ``grad_out`` into every owner's slot.
 """
 
-import collections
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.sharding.rw_exchange import MeanAfterSum
 from torchrec_pgas.sharding.tw_base import TwFeature, route_of
 from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange, LookupBatch
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 
-class DeviceRwExchange(DeviceTwExchange):
+class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
     """GPU counterpart of ``RwExchange`` (arguments: its own, plus the lookup's
     ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
     for ``DeviceTwExchange``)."""
@@ -59,11 +59,7 @@ class DeviceRwExchange(DeviceTwExchange):
         self._block_sizes = torch.tensor(
             [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64, device=self._dev
         )
-        starts = [sum(dims[:i]) for i in range(len(dims))]
-        self._mean_columns: List[Tuple[int, int, int]] = [
-            (i, starts[i], dims[i]) for i in range(len(dims)) if mean[i]
-        ]
-        self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
+        self._init_mean(dims, mean, self._dev)
 
     def _route(
         self, kjt: KeyedJaggedTensor, values: torch.Tensor, offsets: torch.Tensor,
@@ -77,25 +73,6 @@ class DeviceRwExchange(DeviceTwExchange):
         )
         bucketed, _ = bucketize_kjt_before_all2all(whole, num_buckets=self._t.world_size, block_sizes=self._block_sizes)
         return bucketed.values(), bucketed.offsets(), bucketed.lengths().to(torch.int32), bucketed.weights_or_none()
-
-    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        self._divisors.append(self._divisor(kjt))
-        return super().send_ids(kjt)
-
-    def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
-        """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
-        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):
-            return None
-        batch = kjt.stride()
-        lengths = kjt.lengths().view(len(self._input_features), batch)
-        divisor = torch.ones(batch, self._dim_total, dtype=self._out_dtype, device=self._dev)
-        for feature, start, dim in self._mean_columns:
-            divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
-        return divisor
-
-    def _drop_next(self) -> None:
-        super()._drop_next()
-        self._divisors.popleft()
 
     def recv_ids(self, step: int) -> LookupBatch:
         batch = super().recv_ids(step)

@@ -28,7 +28,40 @@ from torchrec_pgas.sharding.tw_exchange import Route, TwExchange
 from torchrec_pgas.transport import Transport
 
 
-class RwExchange(TwExchange):
+class MeanAfterSum:
+    """Mean pooling for row-wise exchanges: owners pool sums, the requester divides
+    the summed rows by the bag lengths it kept from its send. Put first in the bases
+    of an exchange, and call ``_init_mean`` after the exchange's constructor."""
+
+    def _init_mean(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device) -> None:
+        starts = [sum(dims[:i]) for i in range(len(dims))]
+        self._mean_columns: List[Tuple[int, int, int]] = [
+            (i, starts[i], dims[i]) for i in range(len(dims)) if mean[i]
+        ]
+        self._mean_device = device
+        self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
+
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+        self._divisors.append(self._divisor(kjt))
+        return super().send_ids(kjt)  # type: ignore[misc]
+
+    def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+        """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
+        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):  # type: ignore[attr-defined]
+            return None
+        batch = kjt.stride()
+        lengths = kjt.lengths().view(len(self._input_features), batch)  # type: ignore[attr-defined]
+        divisor = torch.ones(batch, self._dim_total, dtype=self._out_dtype, device=self._mean_device)  # type: ignore[attr-defined]
+        for feature, start, dim in self._mean_columns:
+            divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
+        return divisor
+
+    def _drop_next(self) -> None:
+        super()._drop_next()  # type: ignore[misc]
+        self._divisors.popleft()
+
+
+class RwExchange(MeanAfterSum, TwExchange):
     """Moves one row-wise sharding's ids, partial sums and gradients.
 
     Args:
@@ -71,11 +104,7 @@ class RwExchange(TwExchange):
         self._block_sizes = torch.tensor(
             [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64
         )
-        starts = [sum(dims[:i]) for i in range(len(dims))]
-        self._mean_columns: List[Tuple[int, int, int]] = [
-            (i, starts[i], dims[i]) for i in range(len(dims)) if mean[i]
-        ]
-        self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
+        self._init_mean(dims, mean, torch.device("cpu"))
 
     def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
@@ -84,25 +113,6 @@ class RwExchange(TwExchange):
             kjt, num_buckets=self._t.world_size, block_sizes=self._block_sizes
         )
         return bucketized
-
-    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        self._divisors.append(self._divisor(kjt))
-        return super().send_ids(kjt)
-
-    def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
-        """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
-        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):
-            return None
-        batch = kjt.stride()
-        lengths = kjt.lengths().view(len(self._input_features), batch)
-        divisor = torch.ones(batch, self._dim_total, dtype=self._out_dtype)
-        for feature, start, dim in self._mean_columns:
-            divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
-        return divisor
-
-    def _drop_next(self) -> None:
-        super()._drop_next()
-        self._divisors.popleft()
 
     def recv_ids(self, step: int) -> KeyedJaggedTensor:
         self._catch_up(step)

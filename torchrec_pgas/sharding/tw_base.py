@@ -118,10 +118,11 @@ class BaseTwExchange:
         while self._recv_step + 1 < step:
             self._drop_next()
 
-    def report_input_problem(self, status: Status, detail: Tuple[int, ...]) -> None:
+    def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[int, ...]]) -> None:
         """Makes the next send report ``status`` for its batch: the sharded module
-        found the problem in the batch it was given, before TorchRec split it."""
-        self._reported = (status, detail)
+        found the problem in the batch it was given, before TorchRec split it (None
+        withdraws a report no send took)."""
+        self._reported = None if status is None else (status, detail or ())
 
     def _host_problem(self, kjt: Any) -> Optional[Tuple[Status, Tuple[int, ...], int]]:
         """What is wrong with ``kjt`` that the host sees without reading its data (or

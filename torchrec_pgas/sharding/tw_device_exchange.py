@@ -52,6 +52,7 @@ from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 _WAIT_DATA = WAIT_DATA.value
+_FLOATS = {torch.float32, torch.float16, torch.bfloat16}
 
 
 @dataclass
@@ -340,6 +341,8 @@ class DeviceTwExchange(BaseTwExchange):
                 f"{self._name}: rank {self._me} looked up a batch whose ids were released "
                 f"(later batches were received, or {DEFAULT_DEPTH} were sent, before its lookup)"
             )
+        # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
+        offsets.record_stream(torch.cuda.current_stream(self._dev))
         tables = None if torch.is_grad_enabled() else self._table_rows(emb_modules)
         if tables is None:
             batch.groups = self._groups(slots, offsets)
@@ -348,14 +351,14 @@ class DeviceTwExchange(BaseTwExchange):
             layout = self._layout
             assert layout is not None
             out_step = self._next_out_step()
-            self._lookup_puts += 1
             lookup_put(
                 slots, offsets, tables, emb_modules[0].emb_module.weights_dev,
                 self._out_views[0], self._out_addrs[out_step % DEFAULT_DEPTH], self._my_counts,
                 self._done, self._out_free, self._t.err, layout, self._dim_total,
-                self._lookup_puts, self._weighted,
+                self._lookup_puts + 1, self._weighted,
                 max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
+            self._lookup_puts += 1  # after the launch: a failed one leaves the targets right
             route.put_by_lookup = True
             out = torch.empty(0, self._dims[self._me], dtype=self._out_dtype, device=self._dev)
         self._held = None
@@ -364,13 +367,15 @@ class DeviceTwExchange(BaseTwExchange):
 
     def _table_rows(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
         """``lookup_put``'s feature table for these lookup modules, or None if some
-        table is not wholly in device memory (the kernel reads only ``weights_dev``) or
-        the groups' weights differ in dtype (one launch reads one dtype)."""
+        table is not wholly in device memory (the kernel reads only ``weights_dev``),
+        the groups' weights differ in dtype (one launch reads one dtype), or are
+        quantized (rows with scale and bias, which the kernel does not read)."""
         tbes = [m.emb_module for m in emb_modules]
         key = tuple(t.weights_dev.data_ptr() for t in tbes)
         if key == self._tables_key:
             return self._tables
-        if any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes) or len({t.weights_dev.dtype for t in tbes}) > 1:
+        dtypes = {t.weights_dev.dtype for t in tbes}
+        if any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes) or len(dtypes) > 1 or not dtypes <= _FLOATS:
             self._fused_lookup = False
             return None
         rows, col = [], self._col_offsets[self._me]
