@@ -176,15 +176,20 @@ def reference_pooled(
     tables: Sequence[EmbeddingBagConfig],
     weights: Dict[str, torch.Tensor],
     kjt: KeyedJaggedTensor,
+    row_wise: Sequence[str] = (),
 ) -> Dict[str, torch.Tensor]:
     """Pooled embeddings per feature in float64, bag by bag: the independent oracle
-    (the unsharded module has no weighted mean pooling)."""
+    (the unsharded module has no weighted mean pooling). Mean pooling divides by the
+    number of ids, as FBGEMM does; for the tables named in ``row_wise`` it is
+    TorchRec's ``row_wise`` mean: by the number of ids or, weighted, the sum of their
+    weights, plus 1e-6, and then sum-pooled tables are divided by 1 + 1e-6."""
     if kjt.stride() == 0:  # KeyedJaggedTensor.to_dict cannot split an empty batch
         assert len({f for t in tables for f in t.feature_names}) == sum(len(t.feature_names) for t in tables)
         return {f: torch.zeros(0, t.embedding_dim, dtype=torch.float64) for t in tables for f in t.feature_names}
     out = {}
     jt = kjt.to_dict()
     uses = collections.Counter(f for t in tables for f in t.feature_names)
+    rw_mean = any(t.name in row_wise and t.pooling == PoolingType.MEAN for t in tables)
     for t in tables:
         table = weights[f"embedding_bags.{t.name}.weight"].double()
         for f in t.feature_names:
@@ -196,7 +201,10 @@ def reference_pooled(
                     else torch.ones(len(ids), dtype=torch.float64)
                 )
                 pooled = (table[ids] * w[:, None]).sum(0)
-                if t.pooling == PoolingType.MEAN and len(ids):
+                mean = t.pooling == PoolingType.MEAN
+                if t.name in row_wise and rw_mean:
+                    pooled = pooled / ((w.sum() if mean else 1.0) + 1e-6)
+                elif mean and len(ids):
                     pooled = pooled / len(ids)
                 rows.append(pooled)
             # TorchRec names a feature that several tables pool "feature@table".

@@ -10,14 +10,14 @@ uses (``ceil(rows / world)`` rows each). Forward, for a step:
 3. ``exchange_pooled``: the owner puts the partial sums of each source's samples into
    that source's slot *for this owner*; the requester adds the owners' partial sums
    in rank order, so the result does not depend on arrival order. Mean pooling is
-   applied after the sum, by the bag lengths the requester kept from step 1.
+   applied after the sum, as TorchRec's ``row_wise`` applies it (``MeanAfterSum``).
 
 Backward: every owner needs the whole output gradient of its samples (each owns part
 of every bag), so the requester puts it into every owner's per-source slot.
 """
 
 import collections
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence
 
 import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
@@ -29,16 +29,17 @@ from torchrec_pgas.transport import Transport
 
 
 class MeanAfterSum:
-    """Mean pooling for row-wise exchanges: owners pool sums, the requester divides
-    the summed rows by the bag lengths it kept from its send. Put first in the bases
-    of an exchange, and call ``_init_mean`` after the exchange's constructor."""
+    """Mean pooling for row-wise exchanges, as TorchRec's ``row_wise`` applies it:
+    owners pool sums, and the requester divides its summed rows by a divisor built as
+    TorchRec's ``_create_mean_pooling_divisor`` builds it, so results agree to the
+    bit: per bag, the number of ids (the sum of their weights, for weighted features)
+    under mean-pooled features and 1 under sum-pooled ones, plus 1e-6. Put first in the
+    bases of an exchange, and call ``_init_mean`` after the exchange's constructor."""
 
     def _init_mean(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device) -> None:
-        starts = [sum(dims[:i]) for i in range(len(dims))]
-        self._mean_columns: List[Tuple[int, int, int]] = [
-            (i, starts[i], dims[i]) for i in range(len(dims)) if mean[i]
-        ]
-        self._mean_device = device
+        self._any_mean = any(mean)
+        self._sum_features = [i for i, m in enumerate(mean) if not m]
+        self._feature_dims = torch.tensor(dims, dtype=torch.int64, device=device)
         self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
@@ -46,15 +47,24 @@ class MeanAfterSum:
         return super().send_ids(kjt)  # type: ignore[misc]
 
     def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
-        """``[batch, sum of dims]``: the bag lengths under mean-pooled columns, 1 elsewhere."""
-        if not self._mean_columns or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):  # type: ignore[attr-defined]
+        """``[batch, sum of dims]``, or None without mean-pooled features."""
+        if not self._any_mean or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):  # type: ignore[attr-defined]
             return None
         batch = kjt.stride()
-        lengths = kjt.lengths().view(len(self._input_features), batch)  # type: ignore[attr-defined]
-        divisor = torch.ones(batch, self._dim_total, dtype=self._out_dtype, device=self._mean_device)  # type: ignore[attr-defined]
-        for feature, start, dim in self._mean_columns:
-            divisor[:, start : start + dim] = lengths[feature].clamp(min=1)[:, None]
-        return divisor
+        if batch == 0:
+            return None
+        weights = kjt.weights_or_none()
+        if weights is not None and weights.is_floating_point():
+            lengths = torch.ops.fbgemm.segment_sum_csr(1, kjt.offsets().int(), weights)
+        else:
+            lengths = kjt.lengths().clone()
+        for feature in self._sum_features:
+            lengths[feature * batch : (feature + 1) * batch] = 1
+        per_feature = lengths.reshape(-1, batch).T
+        divisor = torch.repeat_interleave(
+            per_feature, repeats=self._feature_dims, dim=1, output_size=self._dim_total  # type: ignore[attr-defined]
+        )
+        return divisor + 1e-6
 
     def _drop_next(self) -> None:
         super()._drop_next()  # type: ignore[misc]
