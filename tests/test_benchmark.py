@@ -34,16 +34,21 @@ def test_traffic_counts_the_busiest_owner():
 def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     out = str(tmp_path / "bench")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "torchrec_pgas.benchmark", "--suite", "r1,weak,zipf", "--tables", "4", "--rows", "300",
-           "--dim", "8", "--batch-size", "16", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1", "--out", out]
+           "-m", "torchrec_pgas.benchmark", "--suite", "r1,weak,zipf,large_tables", "--tables", "4", "--rows", "300",
+           "--dim", "8", "--batch-size", "16", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1",
+           "--rounds", "2", "--out", out]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     with open(os.path.join(out, "results.json")) as f:
         rows = json.load(f)["rows"]
-    assert [(r["scenario"], r["config"]["ranks"]) for r in rows] == [("r1", 2), ("weak", 1), ("weak", 2), ("zipf", 2)]
+    assert [(r["scenario"], r["config"]["ranks"]) for r in rows] == [
+        ("r1", 2), ("weak", 1), ("weak", 2), ("zipf", 2), ("large_tables", 2)
+    ]
+    assert rows[-1]["config"]["tables"] == 4 and rows[-1]["config"]["rows"] == 3000
+    assert all(len(r["speedup_per_round"]["forward_ms"]) == 2 for r in rows)
     assert all(r["identical"] for r in rows), "pgas_table_wise must equal table_wise bit for bit"
     assert all(r["pair"] == ["table_wise", "pgas_table_wise"] for r in rows)
     assert all(r["ours"][k] > 0 and r["baseline"][k] > 0 for r in rows for k in ("forward_ms", "dlrm_ms", "train_ms"))
     table = open(os.path.join(out, "results.md")).read()
-    assert table.count("pgas_table_wise vs table_wise") == 4
+    assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
     assert os.path.getsize(os.path.join(out, "speedup.png")) > 0

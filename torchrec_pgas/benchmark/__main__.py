@@ -16,6 +16,7 @@ launched run on a subgroup. Results: ``OUT/results.json``, ``OUT/results.md`` an
 
 import argparse
 import gc
+import statistics
 import sys
 from typing import Any, Dict, List, Tuple
 
@@ -36,6 +37,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--suite", default="r1", help="comma-separated scenarios, or 'all'")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure TorchRec's sharding and ours this many times each, alternating; "
+        "report the median of the rounds' medians and the rounds' speed-ups",
+    )
     p.add_argument("--out", default="benchmark_results")
     return p.parse_args()
 
@@ -90,14 +96,21 @@ def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, 
     copy, put = bandwidth[cfg.ranks]
     rows = []
     for pair in _pairs(device):
-        (base, base_out), (ours, ours_out) = (_measure(cfg, s, device, pg, args) for s in pair)
+        rounds = [[_measure(cfg, s, device, pg, args) for s in pair] for _ in range(args.rounds)]
+        (_, base_out), (_, ours_out) = rounds[-1]
         diff = (base_out - ours_out).abs().max()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=pg)
+        base, ours = (
+            {key: statistics.median(r[i][0][key] for r in rounds) for key in rounds[0][i][0]} for i in (0, 1)
+        )
         rows.append({
             "scenario": name, "label": cfg.label(), "short": _short(name, cfg), "config": vars(cfg),
             "pair": pair, "baseline": base, "ours": ours, "identical": bool(diff == 0),
             "max_diff": float(diff), "floor_ms": floor.floor_ms(cfg, copy, put),
             "copy_gbps": copy, "put_gbps": put,
+            "speedup_per_round": {
+                key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]
+            },
         })
     return rows
 
@@ -124,7 +137,10 @@ def main() -> None:
         dist.barrier()
     if rank == 0:
         hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
-        meta = {"hardware": hardware, "iters": args.iters, "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:])}
+        meta = {
+            "hardware": hardware, "iters": args.iters, "rounds": args.rounds,
+            "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:]),
+        }
         report.write(rows, meta, args.out)
     finish()
 
@@ -133,6 +149,7 @@ def _short(scenario: str, cfg: Config) -> str:
     return {
         "weak": f"{cfg.ranks} ranks", "strong": f"{cfg.ranks} ranks", "dim": f"dim {cfg.dim}",
         "ids_per_bag": f"{cfg.ids_per_bag} ids", "batch_size": f"{cfg.batch_size}", "zipf": "zipf 1.05",
+        "large_tables": f"{cfg.tables} x {cfg.rows}",
     }.get(scenario, "R1" if scenario == "r1" else scenario)
 
 

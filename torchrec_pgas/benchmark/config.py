@@ -54,7 +54,9 @@ def scenarios(base: Config, world: int) -> Dict[str, List[Config]]:
     * ``weak``: tables per rank and samples per rank fixed as ranks grow;
     * ``strong``: the base's tables and global batch fixed as ranks grow;
     * ``dim``, ``ids_per_bag``, ``batch_size``: sweeps of one parameter;
-    * ``zipf``: ids from a Zipf law with alpha 1.05 instead of uniform.
+    * ``zipf``: ids from a Zipf law with alpha 1.05 instead of uniform;
+    * ``large_tables``: 4 tables of 10 times the base's rows (4 x 10M at R1), the size
+      row-wise sharding is for.
     """
     per_rank_tables = max(1, base.tables // world)
     global_batch = base.batch_size * world
@@ -69,4 +71,5 @@ def scenarios(base: Config, world: int) -> Dict[str, List[Config]]:
         "ids_per_bag": sweep("ids_per_bag", [1, 5, 20, 50, 100]),
         "batch_size": sweep("batch_size", [512, 2048, 8192, 32768, 65536]),
         "zipf": [dataclasses.replace(base, zipf_alpha=1.05)],
+        "large_tables": [dataclasses.replace(base, tables=4, rows=10 * base.rows)],
     }

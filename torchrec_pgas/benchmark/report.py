@@ -21,7 +21,9 @@ def markdown(rows: List[Dict[str, Any]], header: str) -> str:
         cells = []
         for key, _ in METRICS:
             base, ours = r["baseline"][key], r["ours"][key]
-            cells.append(f"{base:.3f} / {ours:.3f} (**{base / ours:.2f}x**)")
+            spread = r.get("speedup_per_round", {}).get(key, [])
+            rounds = f", rounds {min(spread):.2f}-{max(spread):.2f}x" if len(spread) > 1 else ""
+            cells.append(f"{base:.3f} / {ours:.3f} (**{base / ours:.2f}x**{rounds})")
         agree = "identical" if r["identical"] else f"max diff {r['max_diff']:.1e}"
         lines.append(
             f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
@@ -66,7 +68,8 @@ def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str) -> Non
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    table = markdown(rows, f"{meta['hardware']}; median of {meta['iters']} iterations; `{meta['command']}`")
+    rounds = f", median of {meta['rounds']} alternating rounds" if meta.get("rounds", 1) > 1 else ""
+    table = markdown(rows, f"{meta['hardware']}; median of {meta['iters']} iterations{rounds}; `{meta['command']}`")
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table)
     plot(rows, os.path.join(out_dir, "speedup.png"))
