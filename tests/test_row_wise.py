@@ -106,6 +106,18 @@ def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
     run_ranks(_empty_shard, 3)
 
 
+def _mixed_row_wise_kinds(rank, world_size):
+    tables = make_tables(2, seed=6, pooling=PoolingType.MEAN)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    placement = {"t0": pgas_row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
+    with pytest.raises(ValueError, match=r"pgas_row_wise tables \['t0'\] and TorchRec row_wise / table_row_wise features \['f1'\]"):
+        shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
+
+
+def test_mean_pooling_across_pgas_and_torchrec_row_wise_is_refused_on_every_rank():
+    run_ranks(_mixed_row_wise_kinds, 2)
+
+
 def _checkpoint(rank, world_size, path):
     import torch.distributed.checkpoint as dcp
 

@@ -10,6 +10,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -56,6 +57,24 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # options, before nn.Module.__init__ has run: bypass Module.__setattr__.
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
+        self._refuse_mean_across_row_wise_kinds()
+
+    def _refuse_mean_across_row_wise_kinds(self) -> None:
+        """TorchRec divides its whole output by one mean divisor when a table of its
+        own row-wise types pools by mean, and ``pgas_row_wise`` divides its own columns:
+        in one module with mean pooling on either side, some columns would be divided
+        twice or wrongly. Refused on every rank, naming the tables."""
+        torchrec_rs = {f for features in self._pooling_type_to_rs_features.values() for f in features}
+        ours = [c for c in self._embedding_bag_configs if self.module_sharding_plan[c.name].sharding_type == PGAS_ROW_WISE]
+        if not ours or not torchrec_rs:
+            return
+        if PoolingType.MEAN.value in self._pooling_type_to_rs_features or any(c.pooling == PoolingType.MEAN for c in ours):
+            raise ValueError(
+                f"{PGAS_ROW_WISE} tables {[c.name for c in ours]} and TorchRec row_wise / "
+                f"table_row_wise features {sorted(torchrec_rs)} in one module, with mean pooling on "
+                f"one side: TorchRec's mean divisor would apply to every column; shard these "
+                f"tables all {PGAS_ROW_WISE} or all row_wise"
+            )
 
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor

@@ -49,7 +49,8 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
+        if self._device is None or self._device.type == "cpu":
+            _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
 
     def _make_exchange(self, device: torch.device) -> Any:
         assert self._pg is not None

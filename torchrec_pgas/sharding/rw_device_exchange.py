@@ -68,6 +68,8 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
         with ids local to its block. Bad ids land in some bucket (FBGEMM hashes ids
         past the blocks), but such a batch is sent as its header alone."""
+        if kjt.stride() == 0:  # nothing to bucket (FBGEMM would launch an empty grid)
+            return values, offsets, lengths, weights
         whole = KeyedJaggedTensor(
             keys=self._input_keys, values=values, lengths=kjt.lengths(), weights=weights, stride=kjt.stride()
         )
@@ -78,6 +80,15 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         batch = super().recv_ids(step)
         route_of(batch, self._name).divisor = self._divisors.popleft()
         return batch
+
+    def _unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """As if every id went to owner 0: in range of the routed layout, and the first
+        batch sizes the slots by all its ids."""
+        rest = (self._t.world_size - 1) * lengths.numel()
+        return (
+            torch.cat([offsets, offsets[-1:].expand(rest)]),
+            torch.cat([lengths, lengths.new_zeros(rest)]),
+        )
 
     def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
         """The owners' partial sums added in rank order."""

@@ -43,8 +43,11 @@ class MeanAfterSum:
         self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        self._divisors.append(self._divisor(kjt))
-        return super().send_ids(kjt)  # type: ignore[misc]
+        divisor = self._divisor(kjt)
+        step = super().send_ids(kjt)  # type: ignore[misc]
+        # After the send: a send that raises leaves no divisor without a step.
+        self._divisors.append(divisor)
+        return step
 
     def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
         """``[batch, sum of dims]``, or None without mean-pooled features."""

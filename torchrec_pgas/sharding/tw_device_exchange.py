@@ -46,7 +46,7 @@ from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route, route_of
 from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
@@ -87,6 +87,9 @@ class LookupBatch:
         for kjt in self.groups:
             kjt.record_stream(stream)
         self.headers.record_stream(stream)
+        divisor = getattr(route_of(self, "lookup batch"), "divisor", None)
+        if divisor is not None:  # row-wise mean: divides the output on that stream
+            divisor.record_stream(stream)
 
 
 @dataclass
@@ -218,6 +221,8 @@ class DeviceTwExchange(BaseTwExchange):
         checked = (values, offsets, lengths)
         if problem is None:
             values, offsets, lengths, weights = self._route(kjt, values, offsets, lengths, weights)
+        else:
+            offsets, lengths = self._unrouted(offsets, lengths)
         if self._layout is None:
             self._allocate(batch, offsets)
         layout = self._layout
@@ -257,6 +262,11 @@ class DeviceTwExchange(BaseTwExchange):
         already so, TorchRec orders the sharding's features by rank); the checks run on
         ``kjt`` as given."""
         return values, offsets, lengths, weights
+
+    def _unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Offsets and lengths in the routed layout for a batch that is not routed (it
+        goes as a bare header; only sizes are read from it)."""
+        return offsets, lengths
 
     def _drop_next(self) -> None:
         self._recv_step += 1
