@@ -4,6 +4,8 @@ import collections
 import copy
 import functools
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -38,6 +40,19 @@ def _entry(
     # exception"; see torchrec_pgas.transport._close_all), and a test's verdict must
     # not depend on it.
     os._exit(0)
+
+
+#: The DLRM example's scripts.
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "dlrm")
+
+
+def run_example(script: str, *args: str) -> str:
+    """Runs an example script on two processes with torchrun; returns its stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(EXAMPLE, script), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
 
 
 def run_ranks(

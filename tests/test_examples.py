@@ -7,31 +7,23 @@ import sys
 
 import pytest
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "dlrm")
-
-
-def _torchrun(script: str, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLE, script), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
+from dist_utils import EXAMPLE, run_example
 
 
 @pytest.mark.parametrize("trained,served", [("pgas_table_wise", "table_wise"), ("table_wise", "pgas_table_wise")])
 def test_train_checkpoint_and_serve_under_the_other_sharding(tmp_path, trained, served):
     ckpt = str(tmp_path / "ckpt")
-    out = _torchrun("train.py", "--sharding", trained, "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
+    out = run_example("train.py", "--sharding", trained, "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
     assert f"{trained}: 20 steps on 2 x cpu" in out and "eval AUROC" in out
-    out = _torchrun("infer.py", "--checkpoint", ckpt, "--shardings", f"{trained},{served}", "--batches", "8", "--batch-size", "64")
+    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", f"{trained},{served}", "--batches", "8", "--batch-size", "64")
     assert f"predictions of {trained} and {served}: identical" in out, out
 
 
 def test_training_resumes_from_its_checkpoint_with_the_optimizer_state(tmp_path):
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     args = ("--sharding", "pgas_table_wise", "--steps", "10", "--batch-size", "64")
-    _torchrun("train.py", *args, "--checkpoint", first)
-    out = _torchrun("train.py", *args, "--resume", first, "--checkpoint", second)
+    run_example("train.py", *args, "--checkpoint", first)
+    out = run_example("train.py", *args, "--resume", first, "--checkpoint", second)
     assert "pgas_table_wise: 10 steps on 2 x cpu" in out
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -55,16 +47,16 @@ def test_training_resumes_from_its_checkpoint_with_the_optimizer_state(tmp_path)
 def test_train_on_criteo_tsv_learns(tmp_path):
     sample = str(tmp_path / "sample.tsv")
     subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "16000"], check=True)
-    out = _torchrun("train.py", "--data", sample, "--steps", "150", "--batch-size", "64", "--rows", "4000")
+    out = run_example("train.py", "--data", sample, "--steps", "150", "--batch-size", "64", "--rows", "4000")
     auroc = float(out.split("eval AUROC ")[1].split(",")[0])
     assert auroc > 0.75, out  # the label is a function of one categorical feature
 
 
 def test_pgas_row_wise_trains_and_serves_next_to_table_wise(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    out = _torchrun("train.py", "--sharding", "pgas_row_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
+    out = run_example("train.py", "--sharding", "pgas_row_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
     assert "pgas_row_wise: 20 steps on 2 x cpu" in out
-    out = _torchrun("infer.py", "--checkpoint", ckpt, "--shardings", "pgas_row_wise,table_wise", "--batches", "4", "--batch-size", "64")
+    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", "pgas_row_wise,table_wise", "--batches", "4", "--batch-size", "64")
     # Row-wise partial sums are added in another order than one table's bag sum.
     assert "predictions of pgas_row_wise and table_wise: " in out, out
     gap = out.split("predictions of pgas_row_wise and table_wise: ")[1].split()

@@ -25,6 +25,7 @@ from dist_utils import (  # noqa: E402
     pgas_tw,
     random_kjt,
     reference_pooled,
+    run_example,
     run_ranks,
     shard,
     torchrec_tw,
@@ -287,21 +288,8 @@ def test_gpu_dlrm_example_trains_in_a_pipeline_and_serves_like_torchrec(tmp_path
     """The example on 2 GPUs: TrainPipelineSparseDist training (its evaluation runs the
     inference route, with the next batch's input dist started before each lookup), a
     checkpoint, then serving next to TorchRec's counterpart."""
-    import os
-    import subprocess
-    import sys
-
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "dlrm")
-
-    def torchrun(script, *args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(example, script), *args]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-        return done.stdout
-
     ckpt = str(tmp_path / "ckpt")
-    out = torchrun("train.py", "--sharding", ours, "--steps", "30", "--batch-size", "128", "--checkpoint", ckpt)
+    out = run_example("train.py", "--sharding", ours, "--steps", "30", "--batch-size", "128", "--checkpoint", ckpt)
     assert f"{ours}: 30 steps on 2 x cuda" in out, out
-    out = torchrun("infer.py", "--checkpoint", ckpt, "--shardings", f"{ours},{theirs}", "--batches", "10", "--batch-size", "128")
+    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", f"{ours},{theirs}", "--batches", "10", "--batch-size", "128")
     assert f"predictions of {ours} and {theirs}: identical" in out, out

@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
+from torchrec_pgas.process import finish
+
 from data import random_batches
-from model import SHARDINGS, add_model_args, feature_names, finish, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
 
 
 def parse() -> argparse.Namespace:

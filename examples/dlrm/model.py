@@ -6,8 +6,6 @@ torchrec_pgas.
 """
 
 import argparse
-import os
-import sys
 from typing import Dict, List
 
 import torch
@@ -85,17 +83,6 @@ def device_for_rank() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def finish() -> None:
-    """Leaves the process group, then the process without interpreter teardown: gloo's
-    threads have aborted finished runs there ("terminate called without an active
-    exception", 1 run in about 10 in CI), which torchrun reports as a failed job."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def init_distributed() -> torch.device:

@@ -23,8 +23,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
+from torchrec_pgas.process import finish
+
 from data import criteo_batches, random_batches
-from model import SHARDINGS, add_model_args, feature_names, finish, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
 
 
 def parse() -> argparse.Namespace:

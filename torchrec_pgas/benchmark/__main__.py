@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import finish, floor, report, timing, workload
+from torchrec_pgas.benchmark import floor, report, timing, workload
 from torchrec_pgas.benchmark.config import Config, add_config_args, base_config, scenarios
+from torchrec_pgas.process import finish
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
 PAIRS = (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise"))

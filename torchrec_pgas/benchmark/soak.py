@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import finish, workload
+from torchrec_pgas.benchmark import workload
 from torchrec_pgas.benchmark.config import add_config_args, base_config
+from torchrec_pgas.process import finish
 
 
 def _parse() -> argparse.Namespace:
