@@ -2,13 +2,19 @@
 
 One program. It reads the verdict of ``ids_check``, decides the batch's status (the
 same for every owner, so every rank raises the same error) and, per owner, where its
-lengths, ids and weights start in this rank's KJT. A batch that is not ``OK`` is sent
-as its header alone, so owners never see bad ids.
+lengths, ids and weights are in this rank's KJT. A batch that is not ``OK`` is sent as
+its header alone, so owners never see bad ids.
 
-The KJT that is routed (``values``, ``offsets``: each owner's features contiguous) may
-be another than the one ``ids_check`` checked (``check_values``, ``check_offsets``):
-row-wise sharding checks the ids against the whole tables, then routes them bucketed
-by row block. The problem's detail is read from the checked one.
+An owner's features need not be contiguous in the routed KJT: they are given as runs
+of consecutive features, each run sent as three chunks (lengths, ids, weights) that
+land packed, one after the other, in the owner's slot. So a batch goes out in the
+order the model was given it, with no permute (one run per owner when it is already
+in the sharding's order).
+
+The KJT that is routed (``values``, ``offsets``) may be another than the one
+``ids_check`` checked (``check_values``, ``check_offsets``): row-wise sharding checks
+the ids against the whole tables, then routes them bucketed by row block. The
+problem's detail is read from the checked one.
 
 Buffers:
     verdict:         int64 [2]           see ``ids_check``
@@ -17,13 +23,16 @@ Buffers:
     check_values:    int64 [n_ids]       the checked KJT's ids
     check_offsets:   int  [C * batch + 1] the checked KJT's offsets (C features)
     num_rows:        int64 [C]           rows of each checked feature's table
-    owner_features:  int64 [W + 1]       owner w's features are ``[owner_features[w],
-                                         owner_features[w + 1])``
+    runs:            int64 [W, R, 2]     owner w's features, in its lookup's order: R
+                                         runs ``(first routed feature, count)``, padded
+                                         with ``(0, 0)``
     headers:         int64 [W, 8]        out: one slot header per owner (``ids_slot``)
-    chunks:          int64 [W, 4, 3]     out: ``put_signal``'s chunks per owner: lengths,
-                                         ids, weights, then the header (the last chunk
-                                         carries the signal)
+    chunks:          int64 [W, 3R + 1, 3] out: ``put_signal``'s chunks per owner: per
+                                         run its lengths, ids and weights, then the
+                                         header (the last chunk carries the signal)
 """
+
+from typing import List, Sequence
 
 import torch
 import triton
@@ -53,7 +62,7 @@ def ids_header_kernel(
     check_values_ptr,
     check_offsets_ptr,
     num_rows_ptr,
-    owner_features_ptr,
+    runs_ptr,
     headers_ptr,
     chunks_ptr,
     batch,
@@ -77,16 +86,17 @@ def ids_header_kernel(
     headers_addr,
     W: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    R: tl.constexpr,
     WORDS: tl.constexpr,
     NONE: tl.constexpr,
 ):
     w = tl.arange(0, BLOCK_W)
     wm = w < W
     zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-    f_lo = tl.load(owner_features_ptr + w, mask=wm, other=0)
-    f_hi = tl.load(owner_features_ptr + w + 1, mask=wm, other=0)
-    id_lo = tl.load(offsets_ptr + f_lo * batch, mask=wm, other=0).to(tl.int64)
-    ids_per = tl.load(offsets_ptr + f_hi * batch, mask=wm, other=0).to(tl.int64) - id_lo
+    ids_per = zero
+    for r in tl.static_range(R):
+        first, count, id_lo, id_hi = _run(runs_ptr, offsets_ptr, w, wm, r, batch, R)
+        ids_per += id_hi - id_lo
     most_ids = tl.max(tl.where(wm, ids_per, 0))
     total = tl.load(offsets_ptr + num_features * batch).to(tl.int64)
 
@@ -131,19 +141,55 @@ def ids_header_kernel(
     tl.store(h + 6, zero + d2, mask=wm)
     tl.store(h + 7, zero, mask=wm)
 
-    c = chunks_ptr + w * 12
-    tl.store(c + 0, zero + slot_offset + lengths_offset, mask=wm)
-    tl.store(c + 1, lengths_addr + f_lo * batch * 4, mask=wm)
-    tl.store(c + 2, tl.where(ok, (f_hi - f_lo) * batch * 4, 0), mask=wm)
-    tl.store(c + 3, zero + slot_offset + ids_offset, mask=wm)
-    tl.store(c + 4, values_addr + id_lo * 8, mask=wm)
-    tl.store(c + 5, tl.where(ok, ids_per * 8, 0), mask=wm)
-    tl.store(c + 6, zero + slot_offset + weights_offset, mask=wm)
-    tl.store(c + 7, weights_addr + id_lo * 4, mask=wm)
-    tl.store(c + 8, tl.where(ok & (has_weights != 0), ids_per * 4, 0), mask=wm)
-    tl.store(c + 9, zero + slot_offset, mask=wm)
-    tl.store(c + 10, headers_addr + w.to(tl.int64) * WORDS * 8, mask=wm)
-    tl.store(c + 11, zero + WORDS * 8, mask=wm)
+    # Each run lands right after the one before it in the owner's slot.
+    rows_before = zero
+    ids_before = zero
+    for r in tl.static_range(R):
+        first, count, id_lo, id_hi = _run(runs_ptr, offsets_ptr, w, wm, r, batch, R)
+        n = id_hi - id_lo
+        c = chunks_ptr + (w * (3 * R + 1) + 3 * r) * 3
+        tl.store(c + 0, slot_offset + lengths_offset + rows_before * 4, mask=wm)
+        tl.store(c + 1, lengths_addr + first * batch * 4, mask=wm)
+        tl.store(c + 2, tl.where(ok, count * batch * 4, 0), mask=wm)
+        tl.store(c + 3, slot_offset + ids_offset + ids_before * 8, mask=wm)
+        tl.store(c + 4, values_addr + id_lo * 8, mask=wm)
+        tl.store(c + 5, tl.where(ok, n * 8, 0), mask=wm)
+        tl.store(c + 6, slot_offset + weights_offset + ids_before * 4, mask=wm)
+        tl.store(c + 7, weights_addr + id_lo * 4, mask=wm)
+        tl.store(c + 8, tl.where(ok & (has_weights != 0), n * 4, 0), mask=wm)
+        rows_before += count * batch
+        ids_before += n
+    c = chunks_ptr + (w * (3 * R + 1) + 3 * R) * 3
+    tl.store(c + 0, zero + slot_offset, mask=wm)
+    tl.store(c + 1, headers_addr + w.to(tl.int64) * WORDS * 8, mask=wm)
+    tl.store(c + 2, zero + WORDS * 8, mask=wm)
+
+
+@triton.jit
+def _run(runs_ptr, offsets_ptr, w, wm, r, batch, R: tl.constexpr):
+    """Run ``r`` of every owner: its first routed feature, its number of features,
+    and the range of its ids in the routed KJT."""
+    row = runs_ptr + (w * R + r) * 2
+    first = tl.load(row, mask=wm, other=0)
+    count = tl.load(row + 1, mask=wm, other=0)
+    id_lo = tl.load(offsets_ptr + first * batch, mask=wm, other=0).to(tl.int64)
+    id_hi = tl.load(offsets_ptr + (first + count) * batch, mask=wm, other=0).to(tl.int64)
+    return first, count, id_lo, id_hi
+
+
+def feature_runs(routed: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The ``runs`` argument for owners whose routed features are ``routed[w]``: each
+    list cut into runs of consecutive features, padded to the most runs."""
+    runs: List[List[List[int]]] = []
+    for features in routed:
+        runs.append([])
+        for f in features:
+            if runs[-1] and sum(runs[-1][-1]) == f:
+                runs[-1][-1][1] += 1
+            else:
+                runs[-1].append([f, 1])
+    most = max([1] + [len(r) for r in runs])
+    return torch.tensor([r + [[0, 0]] * (most - len(r)) for r in runs], dtype=torch.int64, device=device)
 
 
 def ids_header(
@@ -153,7 +199,7 @@ def ids_header(
     lengths: torch.Tensor,
     weights: "torch.Tensor | None",
     num_rows: torch.Tensor,
-    owner_features: torch.Tensor,
+    runs: torch.Tensor,
     headers: torch.Tensor,
     chunks: torch.Tensor,
     batch: int,
@@ -171,7 +217,7 @@ def ids_header(
     d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
     check_values, check_offsets = checked if checked is not None else (values, offsets)
     ids_header_kernel[(1,)](
-        verdict, values, offsets, check_values, check_offsets, num_rows, owner_features,
+        verdict, values, offsets, check_values, check_offsets, num_rows, runs,
         headers, chunks, batch, values.numel(), lengths.numel() // max(batch, 1),
         num_rows.numel(), int(weights is not None),
         int(status), d0, d1, d2,
@@ -179,6 +225,6 @@ def ids_header(
         layout.lengths_offset, layout.ids_offset, layout.weights_offset,
         lengths.data_ptr(), values.data_ptr(),
         weights.data_ptr() if weights is not None else values.data_ptr(), headers.data_ptr(),
-        W=world, BLOCK_W=triton.next_power_of_2(world), WORDS=HEADER_WORDS, NONE=NONE,
+        W=world, BLOCK_W=triton.next_power_of_2(world), R=runs.size(1), WORDS=HEADER_WORDS, NONE=NONE,
         num_warps=1,
     )

@@ -8,6 +8,7 @@ The kernels that call NVSHMEM cannot run here (the interpreter has no extern cal
 ``test_gpu.py`` covers them on the device.
 """
 
+import ctypes
 import os
 import random
 import subprocess
@@ -18,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status  # noqa: E402
+from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     # The interpreter must be chosen before Triton is first imported: in a process of
@@ -76,11 +77,12 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _expected(problem, lengths, values, rows, owner_features, B, layout, weighted):
-    """The oracle: the headers and chunk sizes the source should send each owner."""
-    F, W = rows.numel(), owner_features.numel() - 1
+def _expected(problem, lengths, values, rows, routed, B, layout, weighted):
+    """The oracle: the header the source should send each owner, whose features are
+    ``routed[w]`` (positions in the batch)."""
+    F = rows.numel()
     offsets = _offsets(lengths)
-    ids_per = [int(offsets[int(owner_features[w + 1]) * B] - offsets[int(owner_features[w]) * B]) for w in range(W)]
+    ids_per = [sum(int(offsets[(f + 1) * B] - offsets[f * B]) for f in fs) for fs in routed]
     status, detail = Status.OK, (0, 0, 0)
     if problem == "dtype":
         status, detail = Status.BAD_DTYPE, (0, 0, 0)
@@ -97,37 +99,54 @@ def _expected(problem, lengths, values, rows, owner_features, B, layout, weighte
             f = int(feature_of[p])
             status, detail = Status.ID_OUT_OF_RANGE, (f, int(values[p]), int(rows[f]))
     ok = status == Status.OK
-    headers = [
+    return [
         [int(status), B if B <= layout.batch_capacity else 0, ids_per[w] if ok else 0, int(weighted), *detail, 0]
-        for w in range(W)
+        for w in range(len(routed))
     ]
-    sizes = [
-        [
-            (int(owner_features[w + 1] - owner_features[w]) * B * 4) if ok else 0,
-            ids_per[w] * 8 if ok else 0,
-            ids_per[w] * 4 if ok and weighted else 0,
-            HEADER_WORDS * 8,
-        ]
-        for w in range(W)
-    ]
-    return headers, sizes
+
+
+def _deliver(chunks: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """What ``put_signal`` would write: each owner's chunks copied into a buffer of its own."""
+    out = torch.zeros(chunks.size(0), nbytes, dtype=torch.uint8)
+    for w in range(chunks.size(0)):
+        for dst, src, n in chunks[w].tolist():
+            assert n >= 0
+            if n:
+                assert 0 <= dst and dst + n <= nbytes
+                ctypes.memmove(out[w].data_ptr() + dst, src, n)
+    return out
+
+
+def _random_route(rnd: random.Random, F: int, W: int):
+    """Per owner, its features' positions in the batch: any subset in any order, a
+    feature sometimes twice (one feature pooled by two of an owner's tables), an
+    owner sometimes with none; and the same as ``feature_runs`` arguments."""
+    routed = [[f for f in range(F) if rnd.random() < 0.6] for _ in range(W)]
+    for fs in routed:
+        if rnd.random() < 0.5:
+            rnd.shuffle(fs)
+        if fs and rnd.random() < 0.2:
+            fs.insert(rnd.randrange(len(fs) + 1), rnd.choice(fs))
+    return routed
 
 
 @_interpreted
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("problem", ["none", "too_large", "negative_id", "negative", "mismatch", "over", "dtype"])
-def test_source_headers_match_the_oracle(k, seed, problem):
+def test_source_slots_match_the_oracle(k, seed, problem):
+    """Each owner's slot, as the chunks would fill it: the header, then its features'
+    lengths, ids and weights packed in its order; a bad batch as its header alone."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     F, W = rnd.randint(1, 6), rnd.randint(1, 4)
     B = rnd.randint(1, 9)
     rows = torch.randint(3, 50, (F,), generator=g)
-    cuts = sorted(rnd.randint(0, F) for _ in range(W - 1))  # some owners own nothing
-    owner_features = torch.tensor([0, *cuts, F])
+    routed = _random_route(rnd, F, W)
     lengths, values = _source_batch(g, F, B, rows)
     weighted = bool(seed % 2)
     weights = torch.rand(values.numel(), generator=g) if weighted else None
-    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5)
+    most = max([1] + [len(fs) for fs in routed])
+    layout = IdsSlotLayout.for_batch(most, B, values.numel(), 1.5)
     if problem == "too_large" and values.numel():
         values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
     if problem == "negative_id" and values.numel():
@@ -135,30 +154,48 @@ def test_source_headers_match_the_oracle(k, seed, problem):
     if problem == "negative":
         lengths[rnd.randrange(lengths.numel())] = -1
     if problem == "over":
-        layout = IdsSlotLayout(max_features=F, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2))
+        layout = IdsSlotLayout(max_features=most, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2))
     offsets = _offsets(lengths)
     if problem == "mismatch":
         values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
-    chunks = torch.zeros(W, 4, 3, dtype=torch.int64)
+    runs = k.ids_header.feature_runs(routed, torch.device("cpu"))
+    chunks = torch.zeros(W, 3 * runs.size(1) + 1, 3, dtype=torch.int64)
     host_problem = (Status.BAD_DTYPE, (0,)) if problem == "dtype" else None
     if host_problem is None:
         k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
     k.ids_header.ids_header(
-        verdict, values, offsets, lengths, weights, rows, owner_features, headers, chunks, B,
+        verdict, values, offsets, lengths, weights, rows, runs, headers, chunks, B,
         host_problem, layout, 4096,
     )
-    expected_headers, expected_sizes = _expected(problem, lengths, values, rows, owner_features, B, layout, weighted)
-    assert headers.tolist() == expected_headers
-    assert chunks[:, :, 2].tolist() == expected_sizes
-    # Destinations: this source's slot; sources: where each owner's part starts.
-    assert chunks[:, :, 0].tolist() == [[4096 + layout.lengths_offset, 4096 + layout.ids_offset, 4096 + layout.weights_offset, 4096]] * W
-    for w in range(W):
-        f0 = int(owner_features[w])
-        assert int(chunks[w, 0, 1]) == lengths.data_ptr() + f0 * B * 4
-        assert int(chunks[w, 1, 1]) == values.data_ptr() + int(offsets[f0 * B]) * 8
-        assert int(chunks[w, 3, 1]) == headers.data_ptr() + w * HEADER_WORDS * 8
+    expected = _expected(problem, lengths, values, rows, routed, B, layout, weighted)
+    assert headers.tolist() == expected
+    slots = _deliver(chunks, 4096 + layout.nbytes)[:, 4096:]
+    empty = torch.zeros(0, dtype=torch.int64)
+    for w, fs in enumerate(routed):
+        slot = slots[w]
+        assert layout.header(slot) == Header.decode(expected[w]), w
+        if expected[w][0] != Status.OK:
+            assert not slot[layout.lengths_offset :].any(), "a bad batch is sent as its header alone"
+            continue
+        n = expected[w][2]
+        assert layout.lengths(slot, len(fs) * B).tolist() == [int(x) for f in fs for x in lengths[f * B : (f + 1) * B]]
+        bags = [slice(int(offsets[f * B]), int(offsets[(f + 1) * B])) for f in fs]
+        assert torch.equal(layout.ids(slot, n), torch.cat([values[b] for b in bags]) if bags else empty)
+        if weighted:
+            assert torch.equal(layout.weights(slot, n), torch.cat([weights[b] for b in bags]) if bags else empty.float())
+
+
+def test_feature_runs_cut_each_owner_at_every_gap():
+    from torchrec_pgas.kernels.ids_header import feature_runs
+
+    runs = feature_runs([[0, 1, 2], [5, 3, 4, 4], []], torch.device("cpu"))
+    assert runs.tolist() == [
+        [[0, 3], [0, 0], [0, 0]],
+        [[5, 1], [3, 2], [4, 1]],
+        [[0, 0], [0, 0], [0, 0]],
+    ]
 
 
 @_interpreted
@@ -197,10 +234,11 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
     k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
     k.ids_header.ids_header(
         verdict, routed_values, routed_offsets, routed_lengths, None, rows,
-        torch.arange(W + 1) * F, headers, chunks, B, None, layout, 0, checked=(values, offsets),
+        torch.tensor([[[o * F, F]] for o in range(W)]), headers, chunks, B, None, layout, 0,
+        checked=(values, offsets),
     )
     # The problem and its detail, as a single owner of the checked batch would report it.
-    (expected,), _ = _expected(problem, lengths, values, rows, torch.tensor([0, F]), B, layout, False)
+    (expected,) = _expected(problem, lengths, values, rows, [list(range(F))], B, layout, False)
     ok = expected[0] == Status.OK
     for o in range(W):
         n = int(routed_lengths[o * F * B : (o + 1) * F * B].sum())

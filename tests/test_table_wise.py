@@ -50,6 +50,10 @@ def _forward(rank, world_size, owners, batch_sizes, pooling, weighted):
                 out = pgas(kjt)
                 assert_same_kt(out, tw(kjt), exact=True)
                 assert_close_to_reference(out.to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+        # The batches went to the sharding unpermuted, and it routed them in their order.
+        sharded = pgas.module.ebc
+        assert sharded._pgas_direct
+        assert sharded._embedding_shardings[0]._exchange._reordered == (owners != sorted(owners))
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,12 @@
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_sharding import (
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+    KJTListSplitsAwaitable,
+)
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
@@ -13,6 +18,7 @@ from torchrec.distributed.types import Awaitable, ParameterSharding, QuantizedCo
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.ids_slot import Status
@@ -58,6 +64,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
         self._refuse_mean_across_row_wise_kinds()
+        # Whether batches go to the one PGAS sharding as they are (decided on the first).
+        self._pgas_direct: Optional[bool] = None
 
     def _refuse_mean_across_row_wise_kinds(self) -> None:
         """TorchRec divides its whole output by one mean divisor when a table of its
@@ -82,6 +90,10 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # A batch TorchRec cannot split faithfully is replaced by an empty one, and
         # every PGAS sharding reports the problem with its next send, so every rank
         # raises at the end of this step instead of one rank failing alone.
+        if self._pgas_direct is not False and isinstance(features, KeyedJaggedTensor):
+            direct = self._direct_input_dist(ctx, features)
+            if direct is not None:
+                return direct
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
         problem = _input_problem(features) if pgas and isinstance(features, KeyedJaggedTensor) else None
         if problem is None:
@@ -95,6 +107,44 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             # the report on to the next batch.
             for sharding in pgas:
                 sharding.report_input_problem(None, None)
+
+    def _direct_input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Optional[Awaitable[Awaitable[Any]]]:
+        """The input dist of a module whose tables are all in one PGAS sharding: the
+        batch goes to it as it is, and its exchange routes each feature to its owner.
+        TorchRec's would permute the batch into the sharding's feature order and split
+        it, which reads every feature's length back to the host. None where that does
+        not apply (several shardings, variable batch per feature, an order the exchange
+        cannot route): the module then takes TorchRec's way for good."""
+        if self._pgas_direct is None:
+            self._pgas_direct = self._adopt_input_order(features)
+            if not self._pgas_direct:
+                return None
+        # A batch with a variable batch per feature goes too: the exchange refuses it.
+        ctx.variable_batch_per_feature = features.variable_stride_per_key()
+        ctx.inverse_indices = features.inverse_indices_or_none()
+        with torch.no_grad():
+            awaitable = self._input_dists[0](features)
+        ctx.sharding_contexts.append(
+            EmbeddingShardingContext(
+                batch_size_per_feature_pre_a2a=features.stride_per_key(),
+                variable_batch_per_feature=ctx.variable_batch_per_feature,
+            )
+        )
+        return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
+
+    def _adopt_input_order(self, features: KeyedJaggedTensor) -> bool:
+        """On the first batch: sets the input dists up as TorchRec does, and whether
+        batches in this one's feature order can go to the sharding directly."""
+        shardings = self._embedding_shardings
+        if len(shardings) != 1 or not isinstance(shardings[0], PgasShardingMixin) or features.variable_stride_per_key():
+            return False
+        if self._has_uninitialized_input_dist:
+            validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
+            self._create_input_dist(features.keys())
+            self._has_uninitialized_input_dist = False
+        return not self._has_mean_pooling_callback and shardings[0].adopt_input_order(features.keys())
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -87,6 +87,10 @@ class PgasShardingMixin:
             self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
         return self._exchange
 
+    def adopt_input_order(self, keys: List[str]) -> bool:
+        """See ``BaseTwExchange.adopt_input_order``."""
+        return self._get_exchange(None).adopt_input_order(keys)
+
     def report_input_problem(self, status: Any, detail: Any) -> None:
         """See ``BaseTwExchange.report_input_problem``."""
         self._get_exchange(None).report_input_problem(status, detail)

@@ -32,6 +32,9 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
     ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
     for ``DeviceTwExchange``)."""
 
+    # Row blocks and mean divisors are built per feature in the sharding's order.
+    _routes_any_order = False
+
     def __init__(
         self,
         transport: NvshmemTransport,

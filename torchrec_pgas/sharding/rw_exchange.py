@@ -87,6 +87,8 @@ class RwExchange(MeanAfterSum, TwExchange):
     """
 
     _partial_sums = True
+    # Row blocks and mean divisors are built per feature in the sharding's order.
+    _routes_any_order = False
 
     def __init__(
         self,

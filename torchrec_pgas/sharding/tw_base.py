@@ -50,11 +50,11 @@ class BaseTwExchange:
         self._t = transport
         self._features_per_rank = [list(f) for f in features_per_rank]
         self._features = [f for fs in self._features_per_rank for f in fs]
-        self._input_features = list(input_features or self._features)
-        self._input_keys = [f.name for f in self._input_features]
-        self._num_rows = torch.tensor(
-            [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=transport.device
-        )
+        self._set_input_features(list(input_features or self._features))
+        # Where each of the sharding's input features sits in the batches the input
+        # dist is given (see ``adopt_input_order``).
+        self._input_pos = list(range(len(self._input_features)))
+        self._reordered = False
         self._dims = list(dim_sum_per_rank)
         self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
         self._dim_total = sum(self._dims)
@@ -70,6 +70,41 @@ class BaseTwExchange:
     @property
     def world_size(self) -> int:
         return self._t.world_size
+
+    def _set_input_features(self, features: Sequence[TwFeature]) -> None:
+        self._input_features = list(features)
+        self._input_keys = [f.name for f in self._input_features]
+        self._num_rows = torch.tensor(
+            [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=self._t.device
+        )
+
+    #: Whether the exchange routes batches whose features are in another order than
+    #: the sharding's (else ``adopt_input_order`` takes only the sharding's order).
+    _routes_any_order = True
+
+    def adopt_input_order(self, keys: Sequence[str]) -> bool:
+        """Makes the input dist take batches with exactly the features ``keys``, in that
+        order, instead of the sharding's order: the exchange then routes each feature
+        to its owner itself, and the module need not permute and split the batch
+        (``ShardedPgasEmbeddingBagCollection.input_dist``). Returns False, changing
+        nothing, if ``keys`` are not the sharding's features or the exchange cannot
+        route their order. Before the first send only."""
+        assert self._send_step == 0, "adopt_input_order after the first send"
+        keys = list(keys)
+        by_name: dict = {}
+        for f in self._input_features:
+            # A feature pooled by several tables: its ids must fit the smallest.
+            if f.name not in by_name or f.num_embeddings < by_name[f.name].num_embeddings:
+                by_name[f.name] = f
+        if len(set(keys)) != len(keys) or set(keys) != set(by_name):
+            return False
+        pos = [keys.index(f.name) for f in self._input_features]
+        if pos != list(range(len(keys))) and not self._routes_any_order:
+            return False
+        self._input_pos = pos
+        self._reordered = pos != list(range(len(keys)))
+        self._set_input_features([by_name[k] for k in keys])
+        return True
 
     def _key_problem(self, keys: Sequence[str]) -> Optional[Tuple[int, int, int]]:
         """``Status.UNKNOWN_FEATURES``'s detail if ``keys`` are not the plan's features
@@ -138,6 +173,8 @@ class BaseTwExchange:
             return Status.UNKNOWN_FEATURES, key_problem, 0
         if kjt.variable_stride_per_key():
             return Status.VARIABLE_BATCH, (), 0
+        if kjt.lengths().numel() != len(self._input_keys) * kjt.stride():
+            return Status.BAD_LENGTHS, (-1,), 0
         bad_dtype = dtype_problem(kjt.values(), kjt.weights_or_none())
         if bad_dtype is not None:
             return Status.BAD_DTYPE, (bad_dtype,), kjt.stride()

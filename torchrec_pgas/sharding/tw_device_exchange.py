@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.bag_lengths import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
-from torchrec_pgas.kernels.ids_header import ids_header
+from torchrec_pgas.kernels.ids_header import feature_runs, ids_header
 from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
@@ -137,7 +137,6 @@ class DeviceTwExchange(BaseTwExchange):
         self._me = transport.rank
         self._all = torch.arange(transport.world_size, dtype=torch.int32, device=self._dev)
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
-        self._owner_features = torch.tensor([0] + self._counts, device=self._dev).cumsum(0)
         self._group_first = [sum(self._group_sizes[:g]) for g in range(len(self._group_sizes))]
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
@@ -157,7 +156,12 @@ class DeviceTwExchange(BaseTwExchange):
         """Sizes the buffers from the largest first batch of any rank (collective,
         and the one device-to-host sync of the set-up)."""
         self._t.reclaim()  # the buffers of models gone since the last allocation
-        ids_per_owner = offsets.index_select(0, self._owner_features * batch_size).diff()
+        routed = [self._routed_features(w) for w in range(self._t.world_size)]
+        self._runs = feature_runs(routed, self._dev)
+        ids_per_owner = offsets.new_zeros(1)
+        if batch_size:
+            per_feature = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+            ids_per_owner = torch.stack([per_feature[f].sum() for f in routed])
         sizes = torch.stack([torch.tensor(batch_size, device=self._dev), ids_per_owner.max()])
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
         batch, ids = sizes.tolist()
@@ -239,11 +243,11 @@ class DeviceTwExchange(BaseTwExchange):
         world = self._t.world_size
         verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
         headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
-        chunks = torch.empty(world, 4, 3, dtype=torch.int64, device=self._dev)
+        chunks = torch.empty(world, 3 * self._runs.size(1) + 1, 3, dtype=torch.int64, device=self._dev)
         if problem is None:
             ids_check(*checked, self._num_rows, verdict, batch)
         ids_header(
-            verdict, values, offsets, lengths, weights, self._num_rows, self._owner_features,
+            verdict, values, offsets, lengths, weights, self._num_rows, self._runs,
             headers, chunks, batch, problem, layout, self._ids_slot_offset(self._me, step),
             checked=checked[:2],
         )
@@ -262,6 +266,13 @@ class DeviceTwExchange(BaseTwExchange):
         already so, TorchRec orders the sharding's features by rank); the checks run on
         ``kjt`` as given."""
         return values, offsets, lengths, weights
+
+    def _routed_features(self, owner: int) -> List[int]:
+        """Where owner ``owner``'s features, in the order its lookup takes them, are in
+        the routed batch (table-wise: the batch as given, in the sharding's order or in
+        the one ``adopt_input_order`` took)."""
+        first = sum(self._counts[:owner])
+        return self._input_pos[first : first + self._counts[owner]]
 
     def _unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Offsets and lengths in the routed layout for a batch that is not routed (it

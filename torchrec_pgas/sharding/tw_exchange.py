@@ -98,9 +98,10 @@ class TwExchange(BaseTwExchange):
         return ok
 
     def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``kjt`` with each owner's features contiguous, owner by owner (table-wise:
-        already so, as TorchRec orders the sharding's features by rank)."""
-        return kjt
+        """``kjt`` with each owner's features contiguous, owner by owner: the
+        sharding's order, in which TorchRec orders features by rank (a batch in the
+        order ``adopt_input_order`` took is permuted into it)."""
+        return kjt.permute(self._input_pos) if self._reordered else kjt
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
         """Puts this rank's ids for the next step into every owner's slot; returns the
