@@ -15,7 +15,7 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
   the requester puts all of ``grad_out`` into every owner's slot.
 """
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
@@ -78,6 +78,11 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         )
         bucketed, _ = bucketize_kjt_before_all2all(whole, num_buckets=self._t.world_size, block_sizes=self._block_sizes)
         return bucketed.values(), bucketed.offsets(), bucketed.lengths().to(torch.int32), bucketed.weights_or_none()
+
+    def _routed_features(self, owner: int) -> List[int]:
+        """Owner ``owner``'s bucket: features ``owner * F ... (owner + 1) * F - 1``."""
+        count = len(self._input_features)
+        return list(range(owner * count, (owner + 1) * count))
 
     def recv_ids(self, step: int) -> LookupBatch:
         batch = super().recv_ids(step)
