@@ -130,19 +130,19 @@ def main() -> None:
     bandwidth: Dict[int, Tuple[float, float]] = {}
     rows: List[Dict[str, Any]] = []
     work = [(name, cfg) for name in names for cfg in chosen[name]]
-    for name, cfg in tqdm(work, desc="configurations", disable=rank != 0):
+    hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
+    meta = {
+        "hardware": hardware, "iters": args.iters, "rounds": args.rounds,
+        "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:]),
+    }
+    for i, (name, cfg) in enumerate(tqdm(work, desc="configurations", disable=rank != 0)):
         if cfg.ranks not in groups:  # every rank creates every group, in order
             groups[cfg.ranks] = dist.new_group(list(range(cfg.ranks)))
         if rank < cfg.ranks:
             rows += _run(name, cfg, groups[cfg.ranks], device, bandwidth, args)
+        if rank == 0:  # after every configuration: a long run cut short keeps what it measured
+            report.write(rows, meta, args.out, show=i == len(work) - 1)
         dist.barrier()
-    if rank == 0:
-        hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
-        meta = {
-            "hardware": hardware, "iters": args.iters, "rounds": args.rounds,
-            "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:]),
-        }
-        report.write(rows, meta, args.out)
     finish()
 
 

@@ -64,7 +64,8 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str) -> None:
+def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str, show: bool = True) -> None:
+    """Writes ``results.json``, ``results.md`` and ``speedup.png`` (and prints the table, if ``show``)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -73,4 +74,5 @@ def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str) -> Non
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table)
     plot(rows, os.path.join(out_dir, "speedup.png"))
-    print("\n" + table)
+    if show:
+        print("\n" + table)
