@@ -1,0 +1,113 @@
+"""Batches in the model's feature order: a module whose tables are all in one PGAS
+sharding hands them to the sharding unpermuted (its exchange routes each feature), and
+the other modules take TorchRec's permute and split. Either way the same results, on
+real gloo process groups, against TorchRec's own sharding and a float64 reference."""
+
+import functools
+from typing import Dict, List
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from dist_utils import (
+    assert_close_to_reference,
+    assert_same_kt,
+    pgas_tw,
+    reference_pooled,
+    run_ranks,
+    shard,
+    torchrec_tw,
+    tw_placement,
+)
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.sharding.tw_base import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_row_wise
+from torchrec_pgas.types import PgasOptions
+
+pgas_rw = functools.partial(pgas_row_wise, compute_kernel="fused")
+
+
+def _tables(shared: bool) -> List[EmbeddingBagConfig]:
+    """Three tables; with ``shared``, a third one also pools f0, with fewer rows."""
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=12, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f2"]),
+    ]
+    if shared:
+        tables.append(EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["f0"]))
+    return tables
+
+
+def _batch(tables: List[EmbeddingBagConfig], keys: List[str], batch_size: int, seed: int) -> KeyedJaggedTensor:
+    """Keys in the given order, ids valid for every table that pools their feature,
+    empty bags."""
+    g = torch.Generator().manual_seed(seed)
+    rows: Dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
+    lengths = [torch.randint(0, 4, (batch_size,), generator=g) for _ in keys]
+    values = [torch.randint(0, rows[k], (int(n.sum()),), generator=g) for k, n in zip(keys, lengths)]
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _model(tables, placement, world_size):
+    torch.manual_seed(5)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=20, headroom=4.0))
+    return ref, shard(ref, placement, world_size, sharder)
+
+
+def _table_wise_in_batch_order(rank, world_size):
+    tables = _tables(shared=True)
+    order = ["f2", "f0", "f1"]
+    ref, pgas = _model(tables, tw_placement(tables, [1, 0, 1], pgas_tw), world_size)
+    _, tw = _model(tables, tw_placement(tables, [1, 0, 1], torchrec_tw), world_size)
+    for step in range(3):
+        kjt = _batch(tables, order, [3, 6][rank] + step, 10 * step + rank)
+        out = pgas(kjt)
+        assert_same_kt(out, tw(kjt), exact=True)
+        assert_close_to_reference(out.to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+    sharded = pgas.module.ebc
+    assert sharded._pgas_direct and sharded._embedding_shardings[0]._exchange._reordered
+    # An id valid for t0 but not for t2, which also pools f0: checked against the smaller.
+    # Two samples: one id of f2 and one of f0 in the first.
+    bad = KeyedJaggedTensor(keys=order, values=torch.tensor([3, 7 if rank == 1 else 6]), lengths=torch.tensor([1, 0, 1, 0, 0, 0]))
+    with pytest.raises(PgasInputError, match="rank 1 sent id 7 for feature 'f0' of table 't2', which has 7 rows"):
+        pgas(bad)
+    # The first batch's order is the model's: another order is refused on every rank.
+    other = _batch(tables, ["f0", "f1", "f2"], 4, rank)
+    with pytest.raises(PgasInputError, match="features are not the model's"):
+        pgas(other if rank == 0 else _batch(tables, order, 4, rank))
+    kjt = _batch(tables, order, 5, 99 + rank)
+    assert_same_kt(pgas(kjt), tw(kjt), exact=True)
+
+
+def test_table_wise_takes_batches_in_their_order_unpermuted():
+    run_ranks(_table_wise_in_batch_order, 2)
+
+
+@pytest.mark.parametrize(
+    "kinds,order,direct",
+    [
+        (("rw", "rw"), ["f0", "f1", "f2"], True),  # the sharding's own order
+        (("rw", "rw"), ["f2", "f0", "f1"], False),  # row-wise routes only that one
+        (("tw", "rw"), ["f2", "f0", "f1"], False),  # two shardings
+    ],
+    ids=["row-wise-in-order", "row-wise-reordered", "mixed"],
+)
+def test_other_modules_take_torchrec_permute_and_split(kinds, order, direct):
+    run_ranks(_other_modules, 2, kinds=kinds, order=order, direct=direct)
+
+
+def _other_modules(rank, world_size, kinds, order, direct):
+    tables = _tables(shared=False)
+    gens = {"tw": lambda: pgas_tw(1), "rw": pgas_rw}
+    ref, pgas = _model(tables, {t.name: gens[k]() for t, k in zip(tables, kinds)}, world_size)
+    rw = [t.name for t, k in zip(tables, kinds) if k == "rw"]
+    for step in range(3):
+        kjt = _batch(tables, order, [4, 2][rank] + step, 10 * step + rank)
+        out = pgas(kjt).to_dict()
+        assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt, row_wise=rw))
+    assert pgas.module.ebc._pgas_direct is direct
