@@ -52,3 +52,18 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
     assert os.path.getsize(os.path.join(out, "speedup.png")) > 0
+
+
+def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
+    out = str(tmp_path / "prof")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "torchrec_pgas.benchmark.profile", "--tables", "4", "--rows", "300", "--dim", "8",
+           "--batch-size", "16", "--ids-per-bag", "3", "--iters", "3", "--out", out]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    timed = [line.split()[:2] for line in done.stdout.splitlines() if "step_ms" in line]
+    assert timed == [[s, step] for s in ("pgas_table_wise", "table_wise") for step in ("forward", "train_step")]
+    for s in ("pgas_table_wise", "table_wise"):
+        with open(os.path.join(out, f"cprofile_{s}_forward.txt")) as f:
+            assert "Ordered by: cumulative time" in f.read()
+        assert os.path.getsize(os.path.join(out, f"torch_profile_{s}.txt")) > 0
