@@ -111,3 +111,63 @@ def _other_modules(rank, world_size, kinds, order, direct):
         out = pgas(kjt).to_dict()
         assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt, row_wise=rw))
     assert pgas.module.ebc._pgas_direct is direct
+
+
+def _first_batch_torn_on_one_rank(rank, world_size):
+    tables = _tables(shared=False)
+    ref, pgas = _model(tables, tw_placement(tables, [1, 0], pgas_tw), world_size)
+    order = ["f2", "f0", "f1"]
+    first = _batch(tables, order, 4, rank)
+    if rank == 1:  # one value fewer than the lengths say
+        first = KeyedJaggedTensor(keys=order, values=first.values()[:-1], lengths=first.lengths())
+    with pytest.raises(PgasInputError, match="rank 1 sent a KJT whose lengths and values disagree"):
+        pgas(first)
+    assert pgas.module.ebc._pgas_direct
+    kjt = _batch(tables, order, 3, 7 + rank)
+    assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+
+
+def test_a_torn_first_batch_raises_on_every_rank():
+    run_ranks(_first_batch_torn_on_one_rank, 2)
+
+
+def _orders_differ_across_ranks(rank, world_size, extra):
+    """The direct way only if every rank's first batch has the same keys in the same
+    order: a problem's detail names a feature by its position in the batch."""
+    tables = _tables(shared=True)
+    ref, pgas = _model(tables, tw_placement(tables, [1, 0, 1], pgas_tw), world_size)
+    order = ["f0", "f1", "f2"] if rank == 0 or extra else ["f2", "f1", "f0"]
+    keys = order + (["unused"] if extra and rank == 1 else [])
+    kjt = _batch(tables + [EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=5, feature_names=["unused"])], keys, 3, rank)
+    out = pgas(kjt).to_dict()
+    assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt.permute([keys.index(k) for k in order])))
+    assert pgas.module.ebc._pgas_direct is False
+    # Rank 1's first id of f0 is out of range for t2, which also pools f0.
+    lengths = {k: [1, 0] if k == "f0" else [0, 0] for k in keys}
+    bad = KeyedJaggedTensor(
+        keys=keys, values=torch.tensor([7 if rank == 1 else 0]), lengths=torch.tensor([n for k in keys for n in lengths[k]])
+    )
+    with pytest.raises(PgasInputError, match="rank 1 sent id 7 for feature 'f0' of table 't2', which has 7 rows"):
+        pgas(bad)
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["other-order", "extra-key"])
+def test_ranks_with_different_first_batches_take_torchrec_way(extra):
+    run_ranks(_orders_differ_across_ranks, 2, extra=extra)
+
+
+def test_gpu_exchange_routes_orders_of_few_runs_per_owner():
+    """An owner's features scattered over more than ``MAX_RUNS`` runs of the batch would
+    unroll too many puts: such an order goes TorchRec's way."""
+    from types import SimpleNamespace
+
+    from torchrec_pgas.sharding.tw_device_exchange import MAX_RUNS, DeviceTwExchange
+
+    def routable(counts, pos):
+        return DeviceTwExchange._routable(SimpleNamespace(_counts=counts), pos)
+
+    every_other = lambda n: list(range(0, 2 * n, 2))  # noqa: E731  (n runs of one feature)
+    assert routable([MAX_RUNS], every_other(MAX_RUNS))
+    assert not routable([MAX_RUNS + 1], every_other(MAX_RUNS + 1))
+    assert routable([3, 3 * MAX_RUNS], [5, 6, 7] + list(range(3 * MAX_RUNS)))  # one run each
+    assert not routable([2, MAX_RUNS + 1], [0, 1] + every_other(MAX_RUNS + 1))

@@ -3,6 +3,7 @@
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.embedding_sharding import (
     EmbeddingSharding,
     EmbeddingShardingContext,
@@ -90,10 +91,10 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # A batch TorchRec cannot split faithfully is replaced by an empty one, and
         # every PGAS sharding reports the problem with its next send, so every rank
         # raises at the end of this step instead of one rank failing alone.
-        if self._pgas_direct is not False and isinstance(features, KeyedJaggedTensor):
-            direct = self._direct_input_dist(ctx, features)
-            if direct is not None:
-                return direct
+        if self._pgas_direct is None:
+            self._pgas_direct = self._adopt_input_order(features)
+        if self._pgas_direct and isinstance(features, KeyedJaggedTensor):
+            return self._direct_input_dist(ctx, features)
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
         problem = _input_problem(features) if pgas and isinstance(features, KeyedJaggedTensor) else None
         if problem is None:
@@ -110,17 +111,11 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _direct_input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
-    ) -> Optional[Awaitable[Awaitable[Any]]]:
+    ) -> Awaitable[Awaitable[Any]]:
         """The input dist of a module whose tables are all in one PGAS sharding: the
-        batch goes to it as it is, and its exchange routes each feature to its owner.
-        TorchRec's would permute the batch into the sharding's feature order and split
-        it, which reads every feature's length back to the host. None where that does
-        not apply (several shardings, variable batch per feature, an order the exchange
-        cannot route): the module then takes TorchRec's way for good."""
-        if self._pgas_direct is None:
-            self._pgas_direct = self._adopt_input_order(features)
-            if not self._pgas_direct:
-                return None
+        batch goes to it as it is, and its exchange routes each feature to its owner
+        (and checks the batch). TorchRec's would permute the batch into the sharding's
+        feature order and split it, which reads every feature's length back to the host."""
         # A batch with a variable batch per feature goes too: the exchange refuses it.
         ctx.variable_batch_per_feature = features.variable_stride_per_key()
         ctx.inverse_indices = features.inverse_indices_or_none()
@@ -134,17 +129,28 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
 
-    def _adopt_input_order(self, features: KeyedJaggedTensor) -> bool:
-        """On the first batch: sets the input dists up as TorchRec does, and whether
-        batches in this one's feature order can go to the sharding directly."""
+    def _adopt_input_order(self, features: Any) -> bool:
+        """On the first batch, collectively: whether batches go to the sharding directly
+        from now on, in this batch's feature order. Only if every rank can and has the
+        same order: a problem's detail names a feature by its position, which every
+        rank must read alike. If so, sets the input dists up as TorchRec does."""
         shardings = self._embedding_shardings
-        if len(shardings) != 1 or not isinstance(shardings[0], PgasShardingMixin) or features.variable_stride_per_key():
+        if len(shardings) != 1 or not isinstance(shardings[0], PgasShardingMixin) or self._has_mean_pooling_callback:
+            return False  # the plan's, the same on every rank
+        eligible = isinstance(features, KeyedJaggedTensor) and not features.variable_stride_per_key()
+        keys = list(features.keys()) if eligible else None
+        everyone: List[Optional[List[str]]] = [None] * self._env.world_size
+        dist.all_gather_object(everyone, keys, group=self._env.process_group)
+        if keys is None or any(k != keys for k in everyone):
             return False
         if self._has_uninitialized_input_dist:
-            validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
-            self._create_input_dist(features.keys())
+            # TorchRec's validation raises on this rank alone for a batch whose lengths
+            # and values disagree; the exchange reports that one on every rank.
+            if _input_problem(features) is None:
+                validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
+            self._create_input_dist(keys)
             self._has_uninitialized_input_dist = False
-        return not self._has_mean_pooling_callback and shardings[0].adopt_input_order(features.keys())
+        return shardings[0].adopt_input_order(keys)
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -32,8 +32,9 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
     ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
     for ``DeviceTwExchange``)."""
 
-    # Row blocks and mean divisors are built per feature in the sharding's order.
-    _routes_any_order = False
+    def _routable(self, pos: List[int]) -> bool:
+        # Row blocks and mean divisors are built per feature in the sharding's order.
+        return pos == list(range(len(pos)))
 
     def __init__(
         self,

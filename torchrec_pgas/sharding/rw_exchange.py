@@ -87,8 +87,9 @@ class RwExchange(MeanAfterSum, TwExchange):
     """
 
     _partial_sums = True
-    # Row blocks and mean divisors are built per feature in the sharding's order.
-    _routes_any_order = False
+    def _routable(self, pos: List[int]) -> bool:
+        # Row blocks and mean divisors are built per feature in the sharding's order.
+        return pos == list(range(len(pos)))
 
     def __init__(
         self,

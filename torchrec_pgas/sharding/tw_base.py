@@ -1,7 +1,7 @@
 """What every table-wise exchange knows from the plan, whatever moves its data."""
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,9 +78,10 @@ class BaseTwExchange:
             [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=self._t.device
         )
 
-    #: Whether the exchange routes batches whose features are in another order than
-    #: the sharding's (else ``adopt_input_order`` takes only the sharding's order).
-    _routes_any_order = True
+    def _routable(self, pos: List[int]) -> bool:
+        """Whether the exchange routes batches where the sharding's input feature ``i``
+        is at position ``pos[i]`` (``adopt_input_order``)."""
+        return True
 
     def adopt_input_order(self, keys: Sequence[str]) -> bool:
         """Makes the input dist take batches with exactly the features ``keys``, in that
@@ -99,7 +100,7 @@ class BaseTwExchange:
         if len(set(keys)) != len(keys) or set(keys) != set(by_name):
             return False
         pos = [keys.index(f.name) for f in self._input_features]
-        if pos != list(range(len(keys))) and not self._routes_any_order:
+        if not self._routable(pos):
             return False
         self._input_pos = pos
         self._reordered = pos != list(range(len(keys)))

@@ -52,6 +52,10 @@ from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 _WAIT_DATA = WAIT_DATA.value
+#: The most runs of consecutive features an owner's part of a batch may take: each run
+#: is three of ``put_signal``'s unrolled puts. A batch order that scatters an owner's
+#: features more goes TorchRec's way (permuted into the sharding's order).
+MAX_RUNS = 8
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
 
 
@@ -266,6 +270,14 @@ class DeviceTwExchange(BaseTwExchange):
         already so, TorchRec orders the sharding's features by rank); the checks run on
         ``kjt`` as given."""
         return values, offsets, lengths, weights
+
+    def _routable(self, pos: List[int]) -> bool:
+        first = 0
+        for count in self._counts:
+            part, first = pos[first : first + count], first + count
+            if 1 + sum(b != a + 1 for a, b in zip(part, part[1:])) > MAX_RUNS:
+                return False
+        return True
 
     def _routed_features(self, owner: int) -> List[int]:
         """Where owner ``owner``'s features, in the order its lookup takes them, are in
