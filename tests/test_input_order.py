@@ -171,3 +171,34 @@ def test_gpu_exchange_routes_orders_of_few_runs_per_owner():
     assert not routable([MAX_RUNS + 1], every_other(MAX_RUNS + 1))
     assert routable([3, 3 * MAX_RUNS], [5, 6, 7] + list(range(3 * MAX_RUNS)))  # one run each
     assert not routable([2, MAX_RUNS + 1], [0, 1] + every_other(MAX_RUNS + 1))
+
+
+def _weights_not_one_per_value(rank, world_size, kinds):
+    """Weights of another size than the ids, on rank 1: raised on every rank (as the
+    first batch, which TorchRec's validator would refuse on rank 1 alone, and later),
+    and the next batch is served."""
+    tables = _tables(shared=False)
+    gens = {"tw": lambda: pgas_tw(1), "rw": pgas_rw}
+    torch.manual_seed(5)
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=20, headroom=4.0))
+    pgas = shard(ref, {t.name: gens[k]() for t, k in zip(tables, kinds)}, world_size, sharder)
+    order = ["f0", "f1", "f2"]
+
+    def batch(seed, torn):
+        kjt = _batch(tables, order, 3, seed)
+        weights = torch.rand(kjt.values().numel() + (1 if torn else 0))
+        return KeyedJaggedTensor(keys=order, values=kjt.values(), lengths=kjt.lengths(), weights=weights)
+
+    for step in range(2):
+        with pytest.raises(PgasInputError, match=r"rank 1 sent a KJT whose weights and values disagree \(\d+ weights for \d+ values\)"):
+            pgas(batch(step * 10 + rank, torn=rank == 1))
+        kjt = batch(99 + step + rank, torn=False)
+        rw = [t.name for t, k in zip(tables, kinds) if k == "rw"]
+        assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt, row_wise=rw))
+    assert pgas.module.ebc._pgas_direct is (kinds == ("tw", "tw"))
+
+
+@pytest.mark.parametrize("kinds", [("tw", "tw"), ("tw", "rw")], ids=["direct", "torchrec-way"])
+def test_weights_not_one_per_value_raise_on_every_rank(kinds):
+    run_ranks(_weights_not_one_per_value, 2, kinds=kinds)

@@ -23,17 +23,21 @@ from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.ids_slot import Status
-from torchrec_pgas.sharding.tw_base import dtype_problem
+from torchrec_pgas.sharding.tw_base import dtype_problem, shape_problem
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
 def _input_problem(features: KeyedJaggedTensor) -> Optional[Tuple[Status, Tuple[int, ...]]]:
     """What TorchRec's permute and split of ``features`` would trip over or hide: ids
-    or weights of a wrong dtype, lengths that do not add up to the values. The sum
-    costs nothing: the permute reads the same per-key lengths."""
+    or weights of a wrong dtype, tensors of sizes that disagree, lengths that do not
+    add up to the values. The sum costs nothing: the permute reads the same per-key
+    lengths."""
     bad_dtype = dtype_problem(features.values(), features.weights_or_none())
     if bad_dtype is not None:
         return Status.BAD_DTYPE, (bad_dtype,)
+    shape = shape_problem(features)
+    if shape is not None:
+        return Status.BAD_LENGTHS, shape
     if not features.variable_stride_per_key() and sum(features.length_per_key()) != features.values().numel():
         return Status.BAD_LENGTHS, (-1,)
     return None

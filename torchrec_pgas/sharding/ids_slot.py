@@ -31,7 +31,8 @@ class Status(IntEnum):
     #: detail = (batch size, most ids for one owner, 0)
     OVER_CAPACITY = 2
     #: detail = (feature index with a negative length, or -1 when the lengths do not
-    #: add up to the number of values)
+    #: add up to the number of values or to features x batch size, or -2 when the
+    #: weights are not one per value: then (-2, number of weights, number of values))
     BAD_LENGTHS = 3
     #: the KJT has a variable batch size per feature (VBE), which is not supported
     VARIABLE_BATCH = 4
@@ -141,6 +142,8 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
             f"the buffers are sized at the first batch times PgasOptions.headroom; "
             f"raise headroom"
         )
+    if header.status == Status.BAD_LENGTHS and d[0] == -2:
+        return f"rank {source} sent a KJT whose weights and values disagree ({d[1]} weights for {d[2]} values)"
     if header.status == Status.BAD_LENGTHS:
         where = f" (negative length in feature '{features[d[0]].name}')" if d[0] >= 0 else ""
         return f"rank {source} sent a KJT whose lengths and values disagree{where}"

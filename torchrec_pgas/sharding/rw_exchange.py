@@ -23,7 +23,7 @@ import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import TwFeature
+from torchrec_pgas.sharding.tw_base import TwFeature, shape_problem
 from torchrec_pgas.sharding.tw_exchange import Route, TwExchange
 from torchrec_pgas.transport import Transport
 
@@ -52,6 +52,8 @@ class MeanAfterSum:
     def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
         """``[batch, sum of dims]``, or None without mean-pooled features."""
         if not self._any_mean or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):  # type: ignore[attr-defined]
+            return None
+        if shape_problem(kjt) is not None:  # the send reports it
             return None
         batch = kjt.stride()
         if batch == 0:

@@ -174,13 +174,25 @@ class BaseTwExchange:
             return Status.UNKNOWN_FEATURES, key_problem, 0
         if kjt.variable_stride_per_key():
             return Status.VARIABLE_BATCH, (), 0
-        if kjt.lengths().numel() != len(self._input_keys) * kjt.stride():
-            return Status.BAD_LENGTHS, (-1,), 0
+        shape = shape_problem(kjt)
+        if shape is not None:
+            return Status.BAD_LENGTHS, shape, 0
         bad_dtype = dtype_problem(kjt.values(), kjt.weights_or_none())
         if bad_dtype is not None:
             return Status.BAD_DTYPE, (bad_dtype,), kjt.stride()
         return None
 
+
+
+def shape_problem(kjt: Any) -> Optional[Tuple[int, ...]]:
+    """``Status.BAD_LENGTHS``'s detail if ``kjt``'s tensors have sizes that disagree
+    (read from their shapes: no sync), else None."""
+    values, weights = kjt.values(), kjt.weights_or_none()
+    if weights is not None and weights.numel() != values.numel():
+        return -2, weights.numel(), values.numel()
+    if not kjt.variable_stride_per_key() and kjt.lengths().numel() != len(kjt.keys()) * kjt.stride():
+        return (-1,)
+    return None
 
 
 def dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Optional[int]:
