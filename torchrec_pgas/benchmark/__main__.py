@@ -18,6 +18,7 @@ import argparse
 import gc
 import statistics
 import sys
+import time
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -97,6 +98,7 @@ def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, 
     copy, put = bandwidth[cfg.ranks]
     rows = []
     for pair in _pairs(device):
+        begin = time.perf_counter()  # models built and timed: what a run of the pair costs
         rounds = [[_measure(cfg, s, device, pg, args) for s in pair] for _ in range(args.rounds)]
         (_, base_out), (_, ours_out) = rounds[-1]
         diff = (base_out - ours_out).abs().max()
@@ -108,7 +110,7 @@ def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, 
             "scenario": name, "label": cfg.label(), "short": _short(name, cfg), "config": vars(cfg),
             "pair": pair, "baseline": base, "ours": ours, "identical": bool(diff == 0),
             "max_diff": float(diff), "floor_ms": floor.floor_ms(cfg, copy, put),
-            "copy_gbps": copy, "put_gbps": put,
+            "copy_gbps": copy, "put_gbps": put, "wall_s": time.perf_counter() - begin,
             "speedup_per_round": {
                 key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]
             },
