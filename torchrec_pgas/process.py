@@ -1,9 +1,22 @@
-"""Ending a torchrun process that used the PGAS sharding types."""
+"""Starting and ending a torchrun process that uses the PGAS sharding types."""
 
 import os
 import sys
 
+import torch
 import torch.distributed as dist
+
+
+def start_rank() -> torch.device:
+    """Joins torchrun's process group (NCCL on GPUs, gloo on CPUs); returns this rank's
+    device: a GPU per rank where there are GPUs, else the CPU."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def finish() -> None:

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
-from torchrec_pgas.process import finish
+from torchrec_pgas.process import finish, start_rank
 
 from data import random_batches
-from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, shard
 
 
 def parse() -> argparse.Namespace:
@@ -47,7 +47,7 @@ def main() -> None:
     for s in shardings:
         if s not in SHARDINGS:
             raise SystemExit(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
-    device = init_distributed()
+    device = start_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
     requests = [b.to(device) for b in itertools.islice(random_batches(feature_names(args), args.batch_size, args.rows, 77 + rank), args.batches)]
 

@@ -78,17 +78,3 @@ def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> Dist
     return DistributedModelParallel(model, device=device, plan=plan)
 
 
-def device_for_rank() -> torch.device:
-    """Every GPU (one per rank) if there are GPUs, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def init_distributed() -> torch.device:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    device = device_for_rank()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device

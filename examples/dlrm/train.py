@@ -23,10 +23,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
-from torchrec_pgas.process import finish
+from torchrec_pgas.process import finish, start_rank
 
 from data import criteo_batches, random_batches
-from model import SHARDINGS, add_model_args, feature_names, init_distributed, shard
+from model import SHARDINGS, add_model_args, feature_names, shard
 
 
 def parse() -> argparse.Namespace:
@@ -51,7 +51,7 @@ def batches(args: argparse.Namespace, held_out: bool):
 
 def main() -> None:
     args = parse()
-    device = init_distributed()
+    device = start_rank()
     rank = dist.get_rank()
     model = shard(args, args.sharding, device)
     dense = KeyedOptimizerWrapper(

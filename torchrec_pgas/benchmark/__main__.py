@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from torchrec_pgas.benchmark import floor, report, timing, workload
 from torchrec_pgas.benchmark.config import Config, add_config_args, base_config, scenarios
-from torchrec_pgas.process import finish
+from torchrec_pgas.process import finish, start_rank
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
 PAIRS = (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise"))
@@ -120,12 +120,8 @@ def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, 
 
 def main() -> None:
     args = _parse()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = start_rank()
+    cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
     chosen = scenarios(base_config(args, world), world)
     names = list(chosen) if args.suite == "all" else args.suite.split(",")
     groups: Dict[int, Any] = {}

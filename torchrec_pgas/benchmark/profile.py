@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from torchrec_pgas.benchmark import workload
 from torchrec_pgas.benchmark.config import add_config_args, base_config
-from torchrec_pgas.process import finish
+from torchrec_pgas.process import finish, start_rank
 
 Step = Callable[[int], None]
 
@@ -121,12 +121,8 @@ def _steps(model: torch.nn.Module, kjts: List[Any], grads: List[torch.Tensor]) -
 
 def main() -> None:
     args = _parse()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = start_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     cfg = base_config(args, world)
     os.makedirs(args.out, exist_ok=True)
     kjts = workload.batches(cfg, device, 4, rank)

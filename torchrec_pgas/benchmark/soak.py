@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from torchrec_pgas.benchmark import workload
 from torchrec_pgas.benchmark.config import add_config_args, base_config
-from torchrec_pgas.process import finish
+from torchrec_pgas.process import finish, start_rank
 
 
 def _parse() -> argparse.Namespace:
@@ -54,10 +54,8 @@ def _plot(windows: List[Dict[str, float]], path: str) -> None:
 
 def main() -> None:
     args = _parse()
-    dist.init_process_group("nccl")
+    device = start_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
     cfg = base_config(args, world)
     batches = workload.batches(cfg, device, 8, rank)
     grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in batches]
