@@ -426,3 +426,18 @@ def _nvshmem_fails_on_rank_1(rank, world_size, failure):
 @pytest.mark.parametrize("failure", ["init", "peer access"])
 def test_nvshmem_failing_on_one_rank_makes_every_rank_raise_with_the_fix(failure):
     run_ranks(_nvshmem_fails_on_rank_1, 2, failure=failure)
+
+
+def _nvshmem_over_a_subgroup(rank, world_size):
+    _fake_nvshmem(rank, failure=None)
+    options = PgasOptions(transport="nvshmem", timeout_s=5)
+    every = dist.new_group([0, 1])  # every process: fine, though not the default group
+    assert get_transport(every, torch.device("cuda", 0), options) is not None
+    first = dist.new_group([0])
+    if rank == 0:
+        with pytest.raises(PgasTransportUnavailableError, match=r"rank 0: the NVSHMEM transport spans every process of the job \(2\), not a group of 1"):
+            get_transport(first, torch.device("cuda", 0), options)
+
+
+def test_nvshmem_over_some_of_the_processes_is_refused_not_left_waiting():
+    run_ranks(_nvshmem_over_a_subgroup, 2)

@@ -128,6 +128,13 @@ def main() -> None:
     bandwidth: Dict[int, Tuple[float, float]] = {}
     rows: List[Dict[str, Any]] = []
     work = [(name, cfg) for name in names for cfg in chosen[name]]
+    if cuda:
+        # NVSHMEM spans every process of a launch: the points of the scaling scenarios
+        # on fewer GPUs take a launch of their own (--nproc_per_node=N).
+        fewer = [f"{name} on {cfg.ranks}" for name, cfg in work if cfg.ranks != world]
+        work = [(name, cfg) for name, cfg in work if cfg.ranks == world]
+        if fewer and rank == 0:
+            print(f"left out (launch with fewer GPUs for them): {', '.join(fewer)}", flush=True)
     hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
     meta = {
         "hardware": hardware, "iters": args.iters, "rounds": args.rounds,

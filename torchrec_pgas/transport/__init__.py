@@ -48,6 +48,19 @@ def _resolve_kind(device: torch.device, options: PgasOptions) -> str:
     return "nvshmem" if device.type == "cuda" else "host"
 
 
+def _refuse_a_subgroup_for_nvshmem(pg: dist.ProcessGroup) -> None:
+    """NVSHMEM starts once per process, over every process of the job, and its
+    symmetric allocations are collective over all of them: a transport over a group
+    of some of the processes would wait for the others forever."""
+    world, size = dist.get_world_size(), dist.get_world_size(pg)
+    if size != world:
+        raise PgasTransportUnavailableError(
+            f"rank {dist.get_rank()}: the NVSHMEM transport spans every process of the job "
+            f"({world}), not a group of {size}: shard PGAS tables over all ranks, or launch "
+            f"{size} processes"
+        )
+
+
 def get_transport(
     pg: dist.ProcessGroup, device: torch.device, options: PgasOptions
 ) -> Transport:
@@ -65,6 +78,8 @@ def get_transport(
             transport: Transport = HostTransport(pg, timeout_s=options.timeout_s)
         elif kind == "nvshmem":
             from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+            _refuse_a_subgroup_for_nvshmem(pg)
 
             transport = NvshmemTransport(pg, device, timeout_s=options.timeout_s)
         else:
