@@ -386,7 +386,8 @@ def test_a_rank_without_nvshmem_makes_every_rank_raise_with_the_fix():
 
 
 def _fake_nvshmem(rank, failure):
-    """An nvshmem4py stand-in on CPU tensors that fails on rank 1 as ``failure`` says."""
+    """An nvshmem4py stand-in on CPU tensors that fails on rank 1 as ``failure`` says;
+    returns the list its ``init`` and ``finalize`` calls go to."""
     import numpy as np
 
     import torchrec_pgas.transport.nvshmem as transport
@@ -395,11 +396,16 @@ def _fake_nvshmem(rank, failure):
     fake.NvshmemKernelObject = object
     fake.get_unique_id = lambda empty: types.SimpleNamespace(_data=np.zeros(128, dtype=np.int8))
 
+    calls = []
+
     def init(**kwargs):
+        calls.append("init")
         if failure == "init" and rank == 1:
             raise RuntimeError("nvshmemi_bootstrap failed")
 
     fake.init = init
+    fake.finalize = lambda: calls.append("finalize")
+    fake.free_tensor = lambda t: None
     fake.tensor = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
     fake.get_peer_tensor = lambda t, pe: None if failure == "peer access" and rank == 1 and pe == 0 else t
     sys.modules["nvshmem"] = types.ModuleType("nvshmem")
@@ -407,6 +413,7 @@ def _fake_nvshmem(rank, failure):
     transport._cuda_core_device = lambda index: None
     torch.cuda.set_device = lambda device: None
     torch.cuda.synchronize = lambda device=None: None
+    return calls
 
 
 def _nvshmem_fails_on_rank_1(rank, world_size, failure):
@@ -441,3 +448,20 @@ def _nvshmem_over_a_subgroup(rank, world_size):
 
 def test_nvshmem_over_some_of_the_processes_is_refused_not_left_waiting():
     run_ranks(_nvshmem_over_a_subgroup, 2)
+
+
+def _nvshmem_started_once(rank, world_size):
+    import torchrec_pgas.transport as transports
+
+    calls = _fake_nvshmem(rank, failure=None)
+    first, second = (
+        get_transport(dist.group.WORLD, torch.device("cuda", 0), PgasOptions(transport="nvshmem", timeout_s=t))
+        for t in (5, 7)
+    )
+    assert first is not second and calls == ["init"]
+    transports._close_all()
+    assert calls == ["init", "finalize"]
+
+
+def test_nvshmem_starts_once_per_process_and_ends_with_its_last_transport():
+    run_ranks(_nvshmem_started_once, 2)

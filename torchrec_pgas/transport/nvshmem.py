@@ -55,6 +55,10 @@ def _cuda_core_device(index: int):
 
 _REGISTERED: Set[int] = set()
 
+#: NVSHMEM starts once per process: the transports (one per process group and timeout,
+#: every one over all processes) share it, and the last to close finalizes it.
+_users = 0
+
 
 def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
     """Triton's kernel-load hook: NVSHMEM must initialize every module that may call it
@@ -78,7 +82,6 @@ class NvshmemTransport(Transport):
     """
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
-        import numpy as np
         import triton
 
         self.group = pg
@@ -96,22 +99,10 @@ class NvshmemTransport(Transport):
         self._timeout_s = timeout_s
         torch.cuda.set_device(self.device)
 
-        uid = nvshmem.get_unique_id(empty=self.rank != 0)
-        raw = [uid._data.view(np.int8).tobytes() if self.rank == 0 else None]
-        dist.broadcast_object_list(raw, src=dist.get_global_rank(pg, 0), group=pg)
-        uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
-        problem = None
-        try:
-            nvshmem.init(
-                device=_cuda_core_device(self.device.index),
-                uid=uid,
-                rank=self.rank,
-                nranks=self.world_size,
-                initializer_method="uid",
-            )
-        except Exception as e:
-            problem = f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; NVSHMEM_DEBUG=INFO shows why"
-        raise_unless_every_rank_ready(pg, problem)
+        global _users
+        if not _users:  # the same on every rank: transports are made collectively
+            raise_unless_every_rank_ready(pg, self._start_nvshmem())
+        _users += 1
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
         self._retired: Dict[int, List[torch.Tensor]] = {}
@@ -123,6 +114,28 @@ class NvshmemTransport(Transport):
         self._scratch_bytes = self._tensor((8,), torch.uint8)
         self._check_peer_access()
         self._closed = False
+
+    def _start_nvshmem(self) -> Optional[str]:
+        """Initializes NVSHMEM over this transport's group, with a unique id from its
+        first rank; returns what went wrong, if anything."""
+        import numpy as np
+
+        nvshmem, pg = self._nvshmem, self.group
+        uid = nvshmem.get_unique_id(empty=self.rank != 0)
+        raw = [uid._data.view(np.int8).tobytes() if self.rank == 0 else None]
+        dist.broadcast_object_list(raw, src=dist.get_global_rank(pg, 0), group=pg)
+        uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
+        try:
+            nvshmem.init(
+                device=_cuda_core_device(self.device.index),
+                uid=uid,
+                rank=self.rank,
+                nranks=self.world_size,
+                initializer_method="uid",
+            )
+        except Exception as e:
+            return f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; NVSHMEM_DEBUG=INFO shows why"
+        return None
 
     def _tensor(self, shape, dtype) -> torch.Tensor:
         t = self._nvshmem.tensor(shape, dtype=dtype)
@@ -262,7 +275,10 @@ class NvshmemTransport(Transport):
             for t in self._live:
                 self._nvshmem.free_tensor(t)
             self._live.clear()
-            self._nvshmem.finalize()
+            global _users
+            _users -= 1
+            if not _users:
+                self._nvshmem.finalize()
         except Exception as e:  # at interpreter exit peers may be gone already
             logger.warning("NVSHMEM finalize failed: %s", e)
         self.group = None  # type: ignore[assignment]
