@@ -202,3 +202,25 @@ def _weights_not_one_per_value(rank, world_size, kinds):
 @pytest.mark.parametrize("kinds", [("tw", "tw"), ("tw", "rw")], ids=["direct", "torchrec-way"])
 def test_weights_not_one_per_value_raise_on_every_rank(kinds):
     run_ranks(_weights_not_one_per_value, 2, kinds=kinds)
+
+
+def _first_batch_invalid_on_one_rank(rank, world_size):
+    """A first batch TorchRec's validator refuses (offsets that are not the running
+    sum of the lengths), on rank 1: raised on every rank, and the next batch decides."""
+    tables = _tables(shared=False)
+    ref, pgas = _model(tables, tw_placement(tables, [1, 0], pgas_tw), world_size)
+    order = ["f2", "f0", "f1"]
+    first = _batch(tables, order, 4, rank)
+    if rank == 1:
+        offsets = torch.zeros(first.lengths().numel() + 1, dtype=torch.int64)
+        offsets[-1] = first.values().numel()  # every id in the last bag
+        first = KeyedJaggedTensor(keys=order, values=first.values(), lengths=first.lengths(), offsets=offsets)
+    with pytest.raises(PgasInputError, match="rank 1 sent an invalid KJT: offsets is not equal to the cumulative sum of lengths"):
+        pgas(first)
+    kjt = _batch(tables, order, 3, 7 + rank)
+    assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+    assert pgas.module.ebc._pgas_direct
+
+
+def test_a_first_batch_torchrec_refuses_raises_on_every_rank():
+    run_ranks(_first_batch_invalid_on_one_rank, 2)

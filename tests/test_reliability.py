@@ -405,7 +405,7 @@ def _fake_nvshmem(rank, failure):
 
     fake.init = init
     fake.finalize = lambda: calls.append("finalize")
-    fake.free_tensor = lambda t: None
+    fake.free_tensor = lambda t: calls.append("free")
     fake.tensor = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
     fake.get_peer_tensor = lambda t, pe: None if failure == "peer access" and rank == 1 and pe == 0 else t
     sys.modules["nvshmem"] = types.ModuleType("nvshmem")
@@ -460,8 +460,26 @@ def _nvshmem_started_once(rank, world_size):
     )
     assert first is not second and calls == ["init"]
     transports._close_all()
-    assert calls == ["init", "finalize"]
+    assert [c for c in calls if c != "free"] == ["init", "finalize"]
 
 
 def test_nvshmem_starts_once_per_process_and_ends_with_its_last_transport():
     run_ranks(_nvshmem_started_once, 2)
+
+
+def _nvshmem_left_as_found(rank, world_size, failure):
+    """A transport that fails to start frees what it allocated and finalizes NVSHMEM
+    where it started it."""
+    import torchrec_pgas.transport.nvshmem as nvshmem_transport
+
+    calls = _fake_nvshmem(rank, failure)
+    with pytest.raises(PgasTransportUnavailableError):
+        get_transport(dist.group.WORLD, torch.device("cuda", 0), PgasOptions(transport="nvshmem", timeout_s=5))
+    started = failure == "peer access" or rank == 0
+    expected = ["init"] + (["free"] * 4 if failure == "peer access" else []) + (["finalize"] if started else [])
+    assert calls == expected and nvshmem_transport._users == 0, calls
+
+
+@pytest.mark.parametrize("failure", ["init", "peer access"])
+def test_nvshmem_that_fails_to_start_is_left_as_found(failure):
+    run_ranks(_nvshmem_left_as_found, 2, failure=failure)

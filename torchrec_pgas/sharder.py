@@ -23,7 +23,7 @@ from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.ids_slot import Status
-from torchrec_pgas.sharding.tw_base import dtype_problem, shape_problem
+from torchrec_pgas.sharding.tw_base import PgasInputError, dtype_problem, shape_problem
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
@@ -137,21 +137,32 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """On the first batch, collectively: whether batches go to the sharding directly
         from now on, in this batch's feature order. Only if every rank can and has the
         same order: a problem's detail names a feature by its position, which every
-        rank must read alike. If so, sets the input dists up as TorchRec does."""
+        rank must read alike. If so, sets the input dists up as TorchRec does. Raises
+        on every rank if some rank's batch fails TorchRec's validation (the next batch
+        decides again)."""
         shardings = self._embedding_shardings
         if len(shardings) != 1 or not isinstance(shardings[0], PgasShardingMixin) or self._has_mean_pooling_callback:
             return False  # the plan's, the same on every rank
         eligible = isinstance(features, KeyedJaggedTensor) and not features.variable_stride_per_key()
         keys = list(features.keys()) if eligible else None
-        everyone: List[Optional[List[str]]] = [None] * self._env.world_size
-        dist.all_gather_object(everyone, keys, group=self._env.process_group)
-        if keys is None or any(k != keys for k in everyone):
+        # TorchRec validates a model's first batch, raising on the rank that sent a bad
+        # one: here every rank learns of it (a problem the exchange reports itself, such
+        # as lengths that disagree with the values, is left to the exchange).
+        invalid = None
+        if eligible and self._has_uninitialized_input_dist and _input_problem(features) is None:
+            try:
+                validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
+            except ValueError as e:
+                invalid = str(e)
+        pg = shardings[0]._pg
+        everyone: List[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(everyone, (keys, invalid), group=pg)
+        errors = [f"rank {r} sent an invalid KJT: {e}" for r, (_, e) in enumerate(everyone) if e]
+        if errors:
+            raise PgasInputError("; ".join(errors))
+        if keys is None or any(k != keys for k, _ in everyone):
             return False
         if self._has_uninitialized_input_dist:
-            # TorchRec's validation raises on this rank alone for a batch whose lengths
-            # and values disagree; the exchange reports that one on every rank.
-            if _input_problem(features) is None:
-                validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
             self._create_input_dist(keys)
             self._has_uninitialized_input_dist = False
         return shardings[0].adopt_input_order(keys)

@@ -55,6 +55,8 @@ def _plot(windows: List[Dict[str, float]], path: str) -> None:
 def main() -> None:
     args = _parse()
     device = start_rank()
+    if device.type != "cuda":
+        raise SystemExit("the soak runs on GPUs (one process per GPU); on CPUs see tests/test_reliability.py")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = base_config(args, world)
     batches = workload.batches(cfg, device, 8, rank)

@@ -101,18 +101,28 @@ class NvshmemTransport(Transport):
 
         global _users
         if not _users:  # the same on every rank: transports are made collectively
-            raise_unless_every_rank_ready(pg, self._start_nvshmem())
+            problem = self._start_nvshmem()
+            try:
+                raise_unless_every_rank_ready(pg, problem)
+            except PgasTransportUnavailableError:
+                if problem is None:  # started here, not everywhere
+                    nvshmem.finalize()
+                raise
         _users += 1
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
         self._retired: Dict[int, List[torch.Tensor]] = {}
         self._owners = 0
-        self.err = self._tensor((4,), torch.int64)
-        # Targets for the interface's plain puts and signals, whose kernel always
-        # sets a signal word and takes a destination buffer.
-        self._scratch_signals = self._tensor((self.world_size,), torch.int64)
-        self._scratch_bytes = self._tensor((8,), torch.uint8)
-        self._check_peer_access()
+        try:
+            self.err = self._tensor((4,), torch.int64)
+            # Targets for the interface's plain puts and signals, whose kernel always
+            # sets a signal word and takes a destination buffer.
+            self._scratch_signals = self._tensor((self.world_size,), torch.int64)
+            self._scratch_bytes = self._tensor((8,), torch.uint8)
+            self._check_peer_access()
+        except Exception:
+            self._release()
+            raise
         self._closed = False
 
     def _start_nvshmem(self) -> Optional[str]:
@@ -136,6 +146,20 @@ class NvshmemTransport(Transport):
         except Exception as e:
             return f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; NVSHMEM_DEBUG=INFO shows why"
         return None
+
+    def _release(self) -> None:
+        """Frees this transport's symmetric tensors (collective), and finalizes NVSHMEM
+        if it was the last transport."""
+        global _users
+        try:
+            torch.cuda.synchronize(self.device)
+            for t in self._live:
+                self._nvshmem.free_tensor(t)
+            self._live.clear()
+        finally:
+            _users -= 1
+            if not _users:
+                self._nvshmem.finalize()
 
     def _tensor(self, shape, dtype) -> torch.Tensor:
         t = self._nvshmem.tensor(shape, dtype=dtype)
@@ -271,14 +295,7 @@ class NvshmemTransport(Transport):
             return
         self._closed = True
         try:
-            torch.cuda.synchronize(self.device)
-            for t in self._live:
-                self._nvshmem.free_tensor(t)
-            self._live.clear()
-            global _users
-            _users -= 1
-            if not _users:
-                self._nvshmem.finalize()
+            self._release()
         except Exception as e:  # at interpreter exit peers may be gone already
             logger.warning("NVSHMEM finalize failed: %s", e)
         self.group = None  # type: ignore[assignment]
