@@ -177,17 +177,21 @@ def _run(runs_ptr, offsets_ptr, w, wm, r, batch, R: tl.constexpr):
     return first, count, id_lo, id_hi
 
 
+def runs_of(features: Sequence[int]) -> List[List[int]]:
+    """``features`` cut into runs of consecutive features, as ``[first, count]``."""
+    runs: List[List[int]] = []
+    for f in features:
+        if runs and sum(runs[-1]) == f:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1])
+    return runs
+
+
 def feature_runs(routed: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """The ``runs`` argument for owners whose routed features are ``routed[w]``: each
-    list cut into runs of consecutive features, padded to the most runs."""
-    runs: List[List[List[int]]] = []
-    for features in routed:
-        runs.append([])
-        for f in features:
-            if runs[-1] and sum(runs[-1][-1]) == f:
-                runs[-1][-1][1] += 1
-            else:
-                runs[-1].append([f, 1])
+    list cut into runs (``runs_of``), padded to the most runs."""
+    runs = [runs_of(features) for features in routed]
     most = max([1] + [len(r) for r in runs])
     return torch.tensor([r + [[0, 0]] * (most - len(r)) for r in runs], dtype=torch.int64, device=device)
 

@@ -32,10 +32,6 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
     ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
     for ``DeviceTwExchange``)."""
 
-    def _routable(self, pos: List[int]) -> bool:
-        # Row blocks and mean divisors are built per feature in the sharding's order.
-        return pos == list(range(len(pos)))
-
     def __init__(
         self,
         transport: NvshmemTransport,

@@ -33,8 +33,9 @@ class MeanAfterSum:
     owners pool sums, and the requester divides its summed rows by a divisor built as
     TorchRec's ``_create_mean_pooling_divisor`` builds it, so results agree to the
     bit: per bag, the number of ids (the sum of their weights, for weighted features)
-    under mean-pooled features and 1 under sum-pooled ones, plus 1e-6. Put first in the
-    bases of an exchange, and call ``_init_mean`` after the exchange's constructor."""
+    under mean-pooled features and 1 under sum-pooled ones, plus 1e-6; batches then
+    stay in the sharding's order (``_routable``). Put first in the bases of an exchange,
+    and call ``_init_mean`` after the exchange's constructor."""
 
     def _init_mean(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device) -> None:
         self._any_mean = any(mean)
@@ -75,6 +76,11 @@ class MeanAfterSum:
         super()._drop_next()  # type: ignore[misc]
         self._divisors.popleft()
 
+    def _routable(self, pos: List[int]) -> bool:
+        """Only the sharding's own order (``adopt_input_order``): the row blocks and
+        the mean divisor are built per feature in that order."""
+        return pos == list(range(len(pos)))
+
 
 class RwExchange(MeanAfterSum, TwExchange):
     """Moves one row-wise sharding's ids, partial sums and gradients.
@@ -89,9 +95,6 @@ class RwExchange(MeanAfterSum, TwExchange):
     """
 
     _partial_sums = True
-    def _routable(self, pos: List[int]) -> bool:
-        # Row blocks and mean divisors are built per feature in the sharding's order.
-        return pos == list(range(len(pos)))
 
     def __init__(
         self,

@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.bag_lengths import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
-from torchrec_pgas.kernels.ids_header import feature_runs, ids_header
+from torchrec_pgas.kernels.ids_header import feature_runs, ids_header, runs_of
 from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
@@ -112,6 +112,13 @@ class _Symmetric:
     def __init__(self, t: NvshmemTransport, shape, dtype) -> None:
         self.local = t._tensor(shape, dtype)
         self.peers = t.peer_addresses(self.local)
+
+
+def _per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
+    """``pos`` (per input feature of the sharding, owner by owner) cut into each
+    owner's part, ``counts[w]`` features for owner ``w``."""
+    starts = [sum(counts[:w]) for w in range(len(counts))]
+    return [list(pos[s : s + c]) for s, c in zip(starts, counts)]
 
 
 class DeviceTwExchange(BaseTwExchange):
@@ -272,19 +279,13 @@ class DeviceTwExchange(BaseTwExchange):
         return values, offsets, lengths, weights
 
     def _routable(self, pos: List[int]) -> bool:
-        first = 0
-        for count in self._counts:
-            part, first = pos[first : first + count], first + count
-            if 1 + sum(b != a + 1 for a, b in zip(part, part[1:])) > MAX_RUNS:
-                return False
-        return True
+        return all(len(runs_of(part)) <= MAX_RUNS for part in _per_owner(self._counts, pos))
 
     def _routed_features(self, owner: int) -> List[int]:
         """Where owner ``owner``'s features, in the order its lookup takes them, are in
         the routed batch (table-wise: the batch as given, in the sharding's order or in
         the one ``adopt_input_order`` took)."""
-        first = sum(self._counts[:owner])
-        return self._input_pos[first : first + self._counts[owner]]
+        return _per_owner(self._counts, self._input_pos)[owner]
 
     def _unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Offsets and lengths in the routed layout for a batch that is not routed (it
