@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
@@ -51,13 +52,16 @@ def bag_lengths_kernel(
         tl.store(offsets_ptr, 0)
 
 
+_launcher = Launcher(bag_lengths_kernel)
+
+
 def bag_offsets(slots: torch.Tensor, num_features: int, layout: IdsSlotLayout) -> torch.Tensor:
     """The lookup's bag offsets over ``num_features`` features of every source slot in
     ``slots`` (``[S * slot_bytes]`` uint8)."""
     S, cap = slots.numel() // layout.nbytes, layout.batch_capacity
     offsets = torch.empty(num_features * S * cap + 1, dtype=torch.int64, device=slots.device)
     grid = (num_features, S, triton.cdiv(cap, BLOCK))
-    bag_lengths_kernel[grid](
+    _launcher[grid](
         slots, offsets, S, cap, layout.nbytes, layout.lengths_offset,
         BLOCK=BLOCK, num_warps=NUM_WARPS,
     )

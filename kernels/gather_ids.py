@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
 
 BLOCK = 1024
@@ -74,6 +75,9 @@ def gather_ids_kernel(
             tl.store(weights_ptr + dst + k, tl.load(w + k, mask=mask), mask=mask)
 
 
+_launcher = Launcher(gather_ids_kernel)
+
+
 def gather_ids(
     slots: torch.Tensor,
     offsets: torch.Tensor,
@@ -88,7 +92,7 @@ def gather_ids(
     S = slots.numel() // layout.nbytes
     if num_features == 0 or S == 0:
         return
-    gather_ids_kernel[(num_features, S, SPLIT)](
+    _launcher[(num_features, S, SPLIT)](
         slots, offsets, indices, weights,
         first_feature, S, layout.batch_capacity, layout.nbytes, layout.ids_offset,
         layout.weights_offset, HAS_WEIGHTS=has_weights, SPLIT=SPLIT, BLOCK=BLOCK,

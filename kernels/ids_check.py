@@ -18,6 +18,7 @@ Buffers:
 import torch
 import triton
 import triton.language as tl
+from torchrec_pgas.kernels.launch import Launcher
 
 #: What a verdict word holds when nothing is wrong.
 NONE = 2**62
@@ -59,6 +60,9 @@ def ids_check_kernel(
         tl.atomic_min(verdict_ptr + 1, first_negative)
 
 
+_launcher = Launcher(ids_check_kernel)
+
+
 def ids_check(
     values: torch.Tensor,
     offsets: torch.Tensor,
@@ -70,7 +74,7 @@ def ids_check(
     """Folds this batch's problems into ``verdict`` (see the module docstring)."""
     n = max(values.numel(), lengths.numel())
     if n:
-        ids_check_kernel[(triton.cdiv(n, BLOCK),)](
+        _launcher[(triton.cdiv(n, BLOCK),)](
             values, offsets, lengths, num_rows, verdict,
             values.numel(), lengths.numel(), batch, num_rows.numel(),
             NONE=NONE, BLOCK=BLOCK, num_warps=NUM_WARPS,

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.ids_check import NONE
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
@@ -196,6 +197,9 @@ def feature_runs(routed: Sequence[Sequence[int]], device: torch.device) -> torch
     return torch.tensor([r + [[0, 0]] * (most - len(r)) for r in runs], dtype=torch.int64, device=device)
 
 
+_launcher = Launcher(ids_header_kernel)
+
+
 def ids_header(
     verdict: torch.Tensor,
     values: torch.Tensor,
@@ -220,7 +224,7 @@ def ids_header(
     status, detail = host_problem if host_problem is not None else (-1, ())
     d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
     check_values, check_offsets = checked if checked is not None else (values, offsets)
-    ids_header_kernel[(1,)](
+    _launcher[(1,)](
         verdict, values, offsets, check_values, check_offsets, num_rows, runs,
         headers, chunks, batch, values.numel(), lengths.numel() // max(batch, 1),
         num_rows.numel(), int(weights is not None),

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
@@ -175,6 +176,9 @@ def lookup_put_kernel(
             count_in(cnt_addrs_ptr, s)
 
 
+_launcher = Launcher(lookup_put_kernel)
+
+
 def lookup_put(
     slots: torch.Tensor,
     offsets: torch.Tensor,
@@ -200,7 +204,7 @@ def lookup_put(
         return
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (S, triton.cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), F)
-    lookup_put_kernel[grid](
+    _launcher[grid](
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
         pitch, launch * F * (COUNT_B // BLOCK_B), free_target, timeout_ns,

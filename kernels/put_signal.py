@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels import nvshmem_device as nv
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, wait_ge
 
 PROGRAMS_PER_PEER = 32
@@ -87,6 +88,9 @@ def arrived(step: int) -> int:
     return PROGRAMS_PER_PEER * step
 
 
+_launcher = Launcher(put_signal_kernel)
+
+
 def put_signal(
     peers: torch.Tensor,
     chunks: torch.Tensor,
@@ -103,7 +107,7 @@ def put_signal(
     (see the module docstring)."""
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
     grid = (peers.numel(), PROGRAMS_PER_PEER if nchunk else 1)
-    put_signal_kernel[grid](
+    _launcher[grid](
         peers, chunks, dst.data_ptr(), ready.data_ptr(), free, err,
         me, step, free_target, timeout_ns,
         NCHUNK=nchunk, PROGRAMS=PROGRAMS_PER_PEER, ALIGN=ALIGN, num_warps=NUM_WARPS,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 
 BLOCK_B = 32
@@ -71,6 +72,9 @@ def rows_put_kernel(
             count_in(cnt_addrs_ptr, s)
 
 
+_launcher = Launcher(rows_put_kernel)
+
+
 def rows_put(
     src: torch.Tensor,
     batch: torch.Tensor,
@@ -87,7 +91,7 @@ def rows_put(
     """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)."""
     S, dim = batch.numel(), src.size(1)
     grid = (S, triton.cdiv(batch_capacity, BLOCK_B))
-    rows_put_kernel[grid](
+    _launcher[grid](
         src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
         batch_capacity, dim, pitch, col, free_target, timeout_ns,
         BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.signals import wait_ge
 
 
@@ -20,6 +21,9 @@ from torchrec_pgas.kernels.signals import wait_ge
 def signal_wait_kernel(sig_ptr, peers_ptr, err_ptr, target, what, timeout_ns):
     peer = tl.load(peers_ptr + tl.program_id(0))
     wait_ge(sig_ptr + peer, target, timeout_ns, err_ptr, peer, what)
+
+
+_launcher = Launcher(signal_wait_kernel)
 
 
 def signal_wait(
@@ -32,4 +36,4 @@ def signal_wait(
 ) -> None:
     """Enqueues waits for ``sig[q] >= target`` for every ``q`` in ``peers``."""
     if peers.numel():
-        signal_wait_kernel[(peers.numel(),)](sig, peers, err, target, what, timeout_ns, num_warps=1)
+        _launcher[(peers.numel(),)](sig, peers, err, target, what, timeout_ns, num_warps=1)

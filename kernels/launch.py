@@ -1,0 +1,54 @@
+"""Launches of compiled Triton kernels without Triton's per-launch dispatch.
+
+``JITFunction.run`` spends tens of microseconds of Python on every launch (device and
+stream, binding and specializing the arguments, the cache key, the check of global
+values, launch metadata) before it calls the compiled kernel's launcher. A PGAS step
+launches about ten kernels, and at R1 the step time is the host's time.
+
+``Launcher`` keeps Triton's own specialization of the arguments (its binder, a native
+function), and sends a launch whose specialization it has seen straight to that
+compiled kernel's launcher. The first launch of each specialization goes through
+Triton, which compiles the kernel and runs its post-compile hooks (the NVSHMEM
+transport registers the kernel's module there). Under Triton's interpreter, or with
+launch hooks set (profilers), every launch goes through Triton.
+"""
+
+import functools
+from typing import Any, Callable, Dict, Tuple
+
+from triton import knobs
+from triton.runtime.driver import driver
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+class Launcher:
+    """``Launcher(kernel)[grid](*args, **kwargs)`` launches as ``kernel[grid](...)`` does."""
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self._compiled: Dict[Tuple[Any, ...], Any] = {}
+
+    def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        kernel = self._kernel
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None or knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook:
+            kernel[grid](*args, **kwargs)
+            return
+        device = driver.active.get_current_device()
+        bound, specialization, options = caches[device][4](*args, **kwargs)
+        key = (device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compiled[key] = kernel[grid](*args, **kwargs)
+            return
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        compiled.run(
+            g0, g1, g2, driver.active.get_current_stream(device), compiled.function,
+            compiled.packed_metadata, None, None, None, *bound.values(),
+        )
