@@ -10,7 +10,8 @@ function), and sends a launch whose specialization it has seen straight to that
 compiled kernel's launcher. The first launch of each specialization goes through
 Triton, which compiles the kernel and runs its post-compile hooks (the NVSHMEM
 transport registers the kernel's module there). Under Triton's interpreter, or with
-launch hooks set (profilers), every launch goes through Triton.
+launch or pre-run hooks set (profilers), every launch goes through Triton. Grids are
+tuples of ints (no callables), and globals the kernels read must not change.
 """
 
 import functools
@@ -37,12 +38,18 @@ class Launcher:
     def _launch(self, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         kernel = self._kernel
         caches = getattr(kernel, "device_caches", None)
-        if caches is None or knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook:
+        # (Triton's hooks are HookChains, never None: a chain with calls is set.)
+        hooked = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+        if caches is None or hooked or kernel.pre_run_hooks:
             kernel[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
         bound, specialization, options = caches[device][4](*args, **kwargs)
-        key = (device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()))
+        # Triton's key also holds the two knobs it adds to the options on every launch.
+        key = (
+            device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()),
+            knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        )
         compiled = self._compiled.get(key)
         if compiled is None:
             self._compiled[key] = kernel[grid](*args, **kwargs)

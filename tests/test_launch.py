@@ -1,0 +1,115 @@
+"""``Launcher`` hands the compiled kernel's launcher exactly what Triton's own launch
+does, and compiles (or reuses) exactly when Triton does. Without a GPU: a stand-in
+driver, and a stand-in compile that records each compiled variant and the launches."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import jit  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+from torchrec_pgas.kernels.launch import Launcher  # noqa: E402
+
+
+class _Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 777
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+class _Compiled:
+    """A compiled variant: ``launches`` gets the launcher's arguments, hooks left out."""
+
+    def __init__(self, number, launches):
+        self.number, self.function, self.packed_metadata = number, 0xF00 + number, (4, 1, 0)
+        self._launches = launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    @property
+    def run(self):
+        def launch(g0, g1, g2, stream, function, packed, metadata, enter, exit, *args):
+            self._launches.append((self.number, (g0, g1, g2, stream, function, packed) + args))
+
+        return launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The launches of ``_kernel``'s variants, in order, as ``(variant, arguments)``,
+    each after ``("through Triton", None)`` if it went through ``JITFunction.run``."""
+    launches, variants = [], []
+
+    def compile_(self, key, signature, device, constexprs, options, attrs, warmup):
+        variants.append(key)
+        compiled = self.device_caches[device][0][key] = _Compiled(len(variants), launches)
+        return compiled
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", compile_)
+    run = jit.JITFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(("through Triton", None))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(jit.JITFunction, "run", counted_run)
+    monkeypatch.setattr(driver, "_active", _Driver())
+    _kernel.device_caches.clear()
+    return launches
+
+
+class _Pointer:
+    def __init__(self, address, dtype=torch.float32):
+        self.dtype, self._address = dtype, address
+
+    def data_ptr(self):
+        return self._address
+
+
+@triton.jit(do_not_specialize=["n"])
+def _kernel(x_ptr, y_ptr, a, n, opt, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0):
+    pass
+
+
+CALLS = [
+    ((_Pointer(1024), _Pointer(2048), 1, 5, None), dict(BLOCK=64, num_warps=2)),
+    ((_Pointer(1024), _Pointer(2048), 17, 1, _Pointer(16, torch.int64)), dict(BLOCK=64, FLAG=3, extern_libs={"lib": "/x.bc"})),
+    ((_Pointer(1032), _Pointer(2048), 16, 2**40, 2.5), dict(BLOCK=32)),  # x not 16-byte aligned
+    ((_Pointer(1024), _Pointer(2048), 1, 5, None), dict(BLOCK=64, num_warps=4)),
+]
+
+
+def test_launches_are_triton_launches(launches):
+    launcher = Launcher(_kernel)
+    for args, kwargs in CALLS:
+        launches.clear()
+        _kernel[(3, 2)](*args, **kwargs)
+        expected = launches[-1]
+        for _ in range(3):
+            launcher[(3, 2)](*args, **kwargs)
+        # The first launch through Triton (the variant's compile), then direct ones.
+        assert launches[2:] == [("through Triton", None), expected, expected, expected], (args, kwargs)
+
+
+def test_a_knob_triton_keys_on_gets_its_own_variant(launches):
+    launcher, args = Launcher(_kernel), CALLS[0][0]
+    launcher[(1,)](*args, BLOCK=8)
+    launcher[(1,)](*args, BLOCK=8)
+    knobs.runtime.debug = True
+    try:
+        launcher[(1,)](*args, BLOCK=8)
+        launcher[(1,)](*args, BLOCK=8)
+    finally:
+        knobs.runtime.debug = False
+    assert [n for n, _ in launches] == ["through Triton", 1, 1, "through Triton", 2, 2]
