@@ -18,6 +18,7 @@ from torchrec_pgas.kernels.bag_lengths import bag_lengths_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
+from torchrec_pgas.kernels import lookup_put  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
@@ -104,8 +105,9 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
          "batch_capacity": "i32", "slot_bytes": "i64", "ids_offset": "i64",
          "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
          "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "ROW_ALIGN": "constexpr",
-         "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr"},
-        [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": 4, "BLOCK_D": 128} for w in (True, False)],
+         "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr", "ROWS": "constexpr"},
+        [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": lookup_put.BLOCK_B,
+          "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS} for w in (True, False)],
     )
 
 
