@@ -1,6 +1,6 @@
 """Gathers the ids (and weights) of every source's slot into one lookup group's batch.
 
-The bags are laid out as ``bag_lengths`` says; ``offsets`` are the whole batch's.
+The bags are laid out as ``bag_offsets`` says; ``offsets`` are the whole batch's.
 A lookup group holds features ``[first_feature, first_feature + F)``; its index
 tensor starts at the first of its bags. Program ``(f, s, c)`` copies share ``c`` of
 ``SPLIT`` of the ids of feature ``first_feature + f`` of source ``s``, so the copy

@@ -19,7 +19,7 @@ Buffers:
                ``slot_bytes``, each an ``ids_slot`` layout (header: status, batch size,
                ...; ids int64 at ``ids_offset`` and weights float32 at
                ``weights_offset``, feature-major)
-    offsets:   int64 [F * S * batch_capacity + 1]  bag offsets of ``bag_lengths``: bag
+    offsets:   int64 [F * S * batch_capacity + 1]  bag offsets of ``bag_offsets``: bag
                ``(f, s, b)`` is ``(f * S + s) * batch_capacity + b``
     features:  int64 [F, 4]  per feature: address of its table's row 0, dim, first
                column in the requester's output, 1 for mean pooling else 0

@@ -67,3 +67,6 @@ def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
         with open(os.path.join(out, f"cprofile_{s}_forward.txt")) as f:
             assert "Ordered by: cumulative time" in f.read()
         assert os.path.getsize(os.path.join(out, f"torch_profile_{s}.txt")) > 0
+        for rank in (0, 1):
+            with open(os.path.join(out, f"torch_profile_{s}_rank{rank}.json")) as f:
+                assert json.load(f)["traceEvents"], (s, rank)

@@ -14,7 +14,7 @@ nvidia_nvshmem = pytest.importorskip("nvidia.nvshmem")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from torchrec_pgas.kernels.bag_lengths import bag_lengths_kernel  # noqa: E402
+from torchrec_pgas.kernels.bag_offsets import bag_offsets_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
@@ -42,9 +42,10 @@ CASES = {
     ),
     "signal_wait": (
         signal_wait_kernel,
-        {"sig_ptr": "*i64", "peers_ptr": "*i32", "err_ptr": "*i64", "target": "i64",
-         "what": "i32", "timeout_ns": "i64"},
-        [{}],
+        {"sig_ptr": "*i64", "peers_ptr": "*i32", "err_ptr": "*i64", "record_ptr": "*i64",
+         "num_peers": "i32", "target": "i64", "what": "i32", "timeout_ns": "i64", "at": "i32",
+         "COPY": "constexpr"},
+        [{"COPY": True}, {"COPY": False}],
     ),
     "rows_put": (
         rows_put_kernel,
@@ -78,12 +79,14 @@ CASES = {
          "NONE": "constexpr"},
         [{"W": 3, "BLOCK_W": 4, "R": 1, "WORDS": 8, "NONE": 2**62}, {"W": 2, "BLOCK_W": 2, "R": 4, "WORDS": 8, "NONE": 2**62}],
     ),
-    "bag_lengths": (
-        bag_lengths_kernel,
-        {"slots_ptr": "*u8", "offsets_ptr": "*i64", "num_sources": "i32",
+    "bag_offsets": (
+        bag_offsets_kernel,
+        {"slots_ptr": "*u8", "offsets_ptr": "*i64", "record_ptr": "*i64", "ready_ptr": "*i64",
+         "err_ptr": "*i64", "num_features": "i32", "num_sources": "i32",
          "batch_capacity": "i32", "slot_bytes": "i64", "lengths_offset": "i32",
+         "target": "i64", "timeout_ns": "i64", "WAIT": "constexpr", "WORDS": "constexpr",
          "BLOCK": "constexpr"},
-        [{"BLOCK": 1024}],
+        [{"WAIT": True, "WORDS": 8, "BLOCK": 4096}, {"WAIT": False, "WORDS": 8, "BLOCK": 4096}],
     ),
     "gather_ids": (
         gather_ids_kernel,

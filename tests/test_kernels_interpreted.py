@@ -1,6 +1,6 @@
 """The GPU path's bookkeeping kernels, run by Triton's interpreter on the CPU against
 plain torch oracles: validation and slot headers at the source (``ids_check``,
-``ids_header``), the lookup layout at the owner (``bag_lengths``, ``gather_ids``), and
+``ids_header``), the lookup layout at the owner (``bag_offsets``, ``gather_ids``), and
 the rows' final places (``rows_put``, with this process's tensors standing in for the
 peers' mappings).
 
@@ -47,13 +47,13 @@ else:
 
 @pytest.fixture(scope="module")
 def k():
-    from torchrec_pgas.kernels import bag_lengths, gather_ids, ids_check, ids_header, lookup_put, rows_put
+    from torchrec_pgas.kernels import bag_offsets, gather_ids, ids_check, ids_header, lookup_put, rows_put
 
     class Kernels:
         pass
 
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
-    Kernels.bag_lengths, Kernels.gather_ids, Kernels.rows_put = bag_lengths, gather_ids, rows_put
+    Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put = lookup_put
     return Kernels
 
@@ -293,8 +293,12 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed):
             weights_in_order.append(weights[start : start + n])
     expected_offsets = _offsets(bag_lengths.view(-1))
 
-    offsets = k.bag_lengths.bag_offsets(slots, F, layout)
+    record = torch.full((S * HEADER_WORDS + 4,), -5, dtype=torch.int64)
+    offsets = k.bag_offsets.bag_offsets(slots, F, layout, record)
     assert torch.equal(offsets, expected_offsets)
+    headers = slots.view(S, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).reshape(-1)
+    assert torch.equal(record[: S * HEADER_WORDS], headers), "the step's headers, in source order"
+    assert (record[S * HEADER_WORDS :] == -5).all(), "the error record's words are left"
     ids_all, weights_all = torch.cat(ids_in_order), torch.cat(weights_in_order)
     # One group of every feature, then the features split into two groups.
     first = rnd.randint(0, F)
@@ -363,7 +367,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     cols = [first_col + sum(dims[:f]) for f in range(F)]
     pitch = first_col + sum(dims) + rnd.randint(0, 5)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
-    offsets = k.bag_lengths.bag_offsets(slots, F, layout)
+    offsets = k.bag_offsets.bag_offsets(slots, F, layout, torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64))
     outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
     me = rnd.randrange(4)

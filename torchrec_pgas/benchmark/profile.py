@@ -8,7 +8,8 @@ median of the forward (inference) and of the training step, timed three ways (CU
 events or the host clock around one call; the host time of the call alone; back to
 back without barriers), then on rank 0 a cProfile of 30 calls of each
 (``OUT/cprofile_<sharding>_<step>.txt``, by own time and by cumulative time) and a
-``torch.profiler`` table of 5 forwards (``OUT/torch_profile_<sharding>.txt``).
+``torch.profiler`` table of 5 forwards (``OUT/torch_profile_<sharding>.txt``), with every
+rank's timeline of them (``OUT/torch_profile_<sharding>_rank<r>.json``).
 """
 
 import argparse
@@ -98,6 +99,8 @@ def _torch_profile(fn: Callable[[int], None], device: torch.device, path: str) -
         for i in range(5):
             fn(i)
         _sync(device)
+    # Every rank's timeline (chrome://tracing, Perfetto): a step waits for its slowest rank.
+    prof.export_chrome_trace(path.replace(".txt", f"_rank{dist.get_rank()}.json"))
     if dist.get_rank() == 0:
         averages = prof.key_averages()
         with open(path, "w") as f:

@@ -12,6 +12,7 @@ Every source writes a slot to every rank at every step, even an empty one, so ev
 rank learns of a bad batch from the same headers and raises the same error.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -76,7 +77,8 @@ def _align8(n: int) -> int:
 
 @dataclass(frozen=True)
 class IdsSlotLayout:
-    """Byte offsets of the parts of a slot, for given capacities."""
+    """Byte offsets of the parts of a slot, for given capacities (computed once: every
+    launch reads them)."""
 
     max_features: int
     batch_capacity: int
@@ -93,19 +95,19 @@ class IdsSlotLayout:
             ids_capacity=max(1, math.ceil(num_ids * headroom)),
         )
 
-    @property
+    @functools.cached_property
     def lengths_offset(self) -> int:
         return HEADER_WORDS * 8
 
-    @property
+    @functools.cached_property
     def ids_offset(self) -> int:
         return self.lengths_offset + _align8(4 * self.max_features * self.batch_capacity)
 
-    @property
+    @functools.cached_property
     def weights_offset(self) -> int:
         return self.ids_offset + 8 * self.ids_capacity
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.weights_offset + _align8(4 * self.ids_capacity)
 

@@ -4,7 +4,8 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
 ``ceil(rows / world)`` rows). What differs from table-wise:
 
 * ``send_ids``: ids are checked against the whole tables, then bucketed by row block
-  on the device (FBGEMM's ``block_bucketize_sparse_features``, as TorchRec does), and
+  on the device (FBGEMM's ``block_bucketize_sparse_features``, called as TorchRec's
+  ``bucketize_kjt_before_all2all`` calls it), and
   owner ``o``'s bucket, with ids local to its block, goes into its slot. Nothing is
   read back: a bucket holds exactly the ids of its block, whatever their count.
 * ``exchange_pooled``: every owner pools partial sums of every feature and stores
@@ -18,7 +19,6 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.rw_exchange import MeanAfterSum
@@ -70,11 +70,12 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         past the blocks), but such a batch is sent as its header alone."""
         if kjt.stride() == 0:  # nothing to bucket (FBGEMM would launch an empty grid)
             return values, offsets, lengths, weights
-        whole = KeyedJaggedTensor(
-            keys=self._input_keys, values=values, lengths=kjt.lengths(), weights=weights, stride=kjt.stride()
+        # TorchRec's bucketize_kjt_before_all2all makes this call, wrapped in two KJTs.
+        lengths, values, weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+            lengths, values, bucketize_pos=False, sequence=False, block_sizes=self._block_sizes,
+            my_size=self._t.world_size, weights=weights,
         )
-        bucketed, _ = bucketize_kjt_before_all2all(whole, num_buckets=self._t.world_size, block_sizes=self._block_sizes)
-        return bucketed.values(), bucketed.offsets(), bucketed.lengths().to(torch.int32), bucketed.weights_or_none()
+        return values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths), lengths, weights
 
     def _routed_features(self, owner: int) -> List[int]:
         """Owner ``owner``'s bucket: features ``owner * F ... (owner + 1) * F - 1``."""
@@ -97,7 +98,9 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
 
     def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
         """The owners' partial sums added in rank order."""
-        out = blocks[0, :batch].clone()
-        for owner in range(1, blocks.size(0)):
+        if blocks.size(0) == 1:
+            return blocks[0, :batch].clone()
+        out = blocks[0, :batch] + blocks[1, :batch]
+        for owner in range(2, blocks.size(0)):
             out += blocks[owner, :batch]
         return out

@@ -10,17 +10,18 @@ kernels, so the host only enqueues a handful of launches per step:
   owner's slot with many blocks per owner, counting them in with the owner's ready
   signal. A batch with bad ids is sent as its header alone, so owners never index out
   of bounds.
-* ``recv_ids``: a device-side wait, then the lookup batch is laid out with a fixed
-  number of bags: bag ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``,
-  bags past a source's batch size empty (``bag_lengths``); ``gather_ids`` copies the
-  ids into place. Under autograd the index tensor must hold exactly the batch's ids
+* ``recv_ids``: one launch (``bag_offsets``) waits for every source's slot, keeps the
+  step's headers and lays the lookup batch out with a fixed number of bags: bag
+  ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``, bags past a
+  source's batch size empty; ``gather_ids`` copies the ids into place. Under autograd the index tensor must hold exactly the batch's ids
   (FBGEMM's backward sorts all of it), which costs one read-back; without autograd it
   has the slots' capacity and FBGEMM reads only what the offsets cover (its bounds
   check is off: sources have checked every id).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
-  output (peer mapping) and counts them in; the requester waits for its count, copies
-  its output out of the slot, releases it, and reads the step's statuses and the
-  transport's error record once.
+  output (peer mapping) and counts them in; the requester waits for its count (the
+  wait copies the transport's error record next to the step's headers), copies its
+  output out of the slot, releases it, and reads the headers and the error record in
+  one read-back.
 * ``exchange_grads``: each owner's gradient block is put into its per-source slot;
   the owner hands the slots, in lookup order, to FBGEMM's backward, whose fused
   optimizer applies the update exactly as under ``table_wise``.
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.bag_lengths import bag_offsets
+from torchrec_pgas.kernels.bag_offsets import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
 from torchrec_pgas.kernels.ids_header import feature_runs, ids_header, runs_of
@@ -62,15 +63,15 @@ _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
 @dataclass
 class LookupBatch:
     """The owner's lookup input of one step: per lookup group, the bag offsets and ids
-    (and weights) of ``bags_per_feature`` bags per feature. ``headers`` are the step's slot
-    headers ([S, 8] int64, on the device).
+    (and weights) of ``bags_per_feature`` bags per feature. ``record`` is the step's
+    (see ``DeviceRoute``).
 
     Without autograd the groups are left empty at first: ``lookup_put`` then pools the
     bags straight from the slots and puts the rows (see ``DeviceTwExchange.lookup_put``),
     or fills the groups for TorchRec's lookup."""
 
     groups: List[KeyedJaggedTensor]
-    headers: torch.Tensor
+    record: torch.Tensor
     bags_per_feature: int
     pending: Optional[Callable[["LookupBatch", Sequence[Any]], Optional[torch.Tensor]]] = None
 
@@ -90,7 +91,7 @@ class LookupBatch:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for kjt in self.groups:
             kjt.record_stream(stream)
-        self.headers.record_stream(stream)
+        self.record.record_stream(stream)
         divisor = getattr(route_of(self, "lookup batch"), "divisor", None)
         if divisor is not None:  # row-wise mean: divides the output on that stream
             divisor.record_stream(stream)
@@ -100,7 +101,9 @@ class LookupBatch:
 class DeviceRoute:
     """What the output and gradient exchanges of a step need from its input."""
 
-    headers: torch.Tensor  # [S, 8] int64: every source's header of the step
+    # int64 [S * 8 + 4], on the device: every source's header of the step, then the
+    # error record once the step's output has arrived (one read-back for both).
+    record: torch.Tensor
     my_batch: int  # this rank's batch size as its header reports it
     put_by_lookup: bool = False  # the rows were put by ``lookup_put`` already
     divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
@@ -197,6 +200,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        self._slot_views = [self._ids[g * world * layout.nbytes : (g + 1) * world * layout.nbytes] for g in range(depth)]
         self._out_views = [
             self._out.local[g * self._out_slot : (g + 1) * self._out_slot]
             .view(self._out_dtype)
@@ -308,14 +312,15 @@ class DeviceTwExchange(BaseTwExchange):
         self._catch_up(step)
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
-        self._wait(self._ids_ready, self._all, arrived(step))
-        base = self._ids_slot_offset(0, step)
-        slots = self._ids[base : base + world * layout.nbytes]
-        headers = slots.view(world, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).clone()
-        batch = LookupBatch(groups=[], headers=headers, bags_per_feature=world * cap)
-        route = DeviceRoute(headers=headers, my_batch=self._my_batches.popleft())
-        if self._features_per_rank[self._me]:
-            offsets = bag_offsets(slots, len(self._features_per_rank[self._me]), layout)
+        slots = self._slot_views[step % DEFAULT_DEPTH]
+        record = torch.empty(world * HEADER_WORDS + 4, dtype=torch.int64, device=self._dev)
+        features = len(self._features_per_rank[self._me])
+        offsets = bag_offsets(
+            slots, features, layout, record, self._ids_ready, arrived(step), self._t.err, self._t.timeout_ns
+        )
+        batch = LookupBatch(groups=[], record=record, bags_per_feature=world * cap)
+        route = DeviceRoute(record=record, my_batch=self._my_batches.popleft())
+        if features:
             if self._fused_lookup and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
                 self._held = step
@@ -422,14 +427,18 @@ class DeviceTwExchange(BaseTwExchange):
         self._tables = torch.tensor(rows, dtype=torch.int64, device=self._dev)
         return self._tables
 
-    def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int) -> None:
-        """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``."""
-        signal_wait(sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns)
+    def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int, record: Optional[torch.Tensor] = None) -> None:
+        """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``
+        (then the copy of the error record to the end of ``record``, if given)."""
+        signal_wait(
+            sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns,
+            record, 0 if record is None else record.numel() - 4,
+        )
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""
         put_signal(
-            peers, self._no_chunks[: peers.numel()],
+            peers, self._no_chunks,
             self._ids, sig, sig, self._t.err, self._me, step, 0, self._t.timeout_ns,
         )
 
@@ -452,27 +461,27 @@ class DeviceTwExchange(BaseTwExchange):
             if self._dims[me] > 0:
                 rows_put(
                     local_embs.detach().to(self._out_dtype).contiguous(),
-                    route.headers[:, 1],
+                    route.record[1 : self._t.world_size * HEADER_WORDS : HEADER_WORDS],
                     self._out_addrs[step % DEFAULT_DEPTH],
                     self._my_counts,
                     self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
                     self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
                 )
         self._expected_rows += programs_per_requester(route.my_batch)
-        self._wait(self._out_count.local, self._owners, self._expected_rows)
+        self._wait(self._out_count.local, self._owners, self._expected_rows, route.record)
         # The slot is reused two steps on, the output may live longer.
         out = self._output(self._out_views[step % DEFAULT_DEPTH], route.my_batch)
         self._signal(self._owners, self._out_free, step)
-        self._check(route.headers)
+        self._check(route.record)
         return out
 
     def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
         """This rank's output from its output slot's blocks (``[blocks, rows, dims]``)."""
         return blocks[0, :batch].clone()
 
-    def _check(self, headers: torch.Tensor) -> None:
+    def _check(self, step_record: torch.Tensor) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""
-        record = torch.cat([headers.reshape(-1), self._t.err]).tolist()
+        record = step_record.tolist()
         if record[-4]:  # the error record's code word
             self._t.check(self._name)
         n = HEADER_WORDS
