@@ -1,12 +1,15 @@
 """Receives a step's ids slots: waits for every source's slot, keeps the step's slot
 headers, and lays out the bags of the owner's lookup batch as bag offsets.
 
-One program, so that receiving is one launch: the host's time per launch, not the
-device's, is what a step waits for. The owner pools one batch for all its sources,
-feature-major, then source, then sample: bag ``(f, s, b)`` is bag
-``(f * S + s) * batch_capacity + b``. Bags past a source's batch size, and every bag of
-a source whose header is not ``OK`` (or whose slot did not arrive in time), are empty.
-The offsets are the running sum of the bags' lengths, ``BLOCK`` bags at a time.
+The owner pools one batch for all its sources, feature-major, then source, then
+sample: bag ``(f, s, b)`` is bag ``(f * S + s) * batch_capacity + b``. Bags past a
+source's batch size, and every bag of a source whose header is not ``OK`` (or whose
+slot did not arrive in time), are empty. Program ``(f, s, blk)`` waits for the slots,
+then writes the lengths of bags ``blk * BLOCK ...`` of feature ``f`` and source ``s`` to
+``offsets[1:]`` (program ``(0, 0, 0)`` also the headers and ``offsets[0] = 0``), and one
+cumulative sum turns them into the lookup's bag offsets. The wait, the headers and the
+layout are one launch because a step's time is the host's: a launch costs the host
+more than the device.
 
 Buffers:
     slots:    uint8, this step's generation of the ids mailbox: S slots of
@@ -30,8 +33,8 @@ from torchrec_pgas.kernels.signals import WAIT_DATA, wait_ge
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
-BLOCK = 4096
-NUM_WARPS = 8
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 @triton.jit(
@@ -56,37 +59,33 @@ def bag_offsets_kernel(
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    f = tl.program_id(0)
+    s = tl.program_id(1)
+    blk = tl.program_id(2)
     arrived = num_sources >= 0
     if WAIT:
-        for s in range(num_sources):
+        for q in range(num_sources):
             if arrived:
-                arrived = wait_ge(ready_ptr + s, target, timeout_ns, err_ptr, s, WAIT_DATA)
+                arrived = wait_ge(ready_ptr + q, target, timeout_ns, err_ptr, q, WAIT_DATA)
         # Every thread reads the slots after the one that waited (acquire) saw them.
         tl.debug_barrier()
-    words = tl.arange(0, WORDS)
-    for s in range(num_sources):
-        header = (slots_ptr + slot_bytes * s).to(tl.pointer_type(tl.int64), bitcast=True)
-        tl.store(record_ptr + s * WORDS + words, tl.load(header + words))
-
-    per_feature = num_sources * batch_capacity
-    total = num_features.to(tl.int64) * per_feature
-    tl.store(offsets_ptr, 0)
-    carry = total * 0
-    for start in range(0, total, BLOCK):
-        bag = start + tl.arange(0, BLOCK)
-        in_range = bag < total
-        f = bag // per_feature
-        src = (bag % per_feature) // batch_capacity
-        b = bag % batch_capacity
-        slot = slots_ptr + src * slot_bytes
-        header = slot.to(tl.pointer_type(tl.int64), bitcast=True)
-        status = tl.load(header, mask=in_range, other=-1)
-        batch = tl.load(header + 1, mask=in_range, other=0)
-        valid = in_range & (b < batch) & (status == _OK) & arrived
-        lengths = (slot + lengths_offset).to(tl.pointer_type(tl.int32), bitcast=True)
-        n = tl.load(lengths + f * batch + b, mask=valid, other=0).to(tl.int64)
-        tl.store(offsets_ptr + 1 + bag, carry + tl.cumsum(n, 0), mask=in_range)
-        carry += tl.sum(n, 0)
+    if (f == 0) & (s == 0) & (blk == 0):
+        words = tl.arange(0, WORDS)
+        for q in range(num_sources):
+            header = (slots_ptr + slot_bytes * q).to(tl.pointer_type(tl.int64), bitcast=True)
+            tl.store(record_ptr + q * WORDS + words, tl.load(header + words))
+        tl.store(offsets_ptr, 0)
+    slot = slots_ptr + s.to(tl.int64) * slot_bytes
+    header = slot.to(tl.pointer_type(tl.int64), bitcast=True)
+    status = tl.load(header)
+    batch = tl.load(header + 1)
+    b = blk * BLOCK + tl.arange(0, BLOCK)
+    mine = f < num_features
+    valid = (b < batch) & (status == _OK) & arrived & mine
+    lengths = (slot + lengths_offset).to(tl.pointer_type(tl.int32), bitcast=True)
+    n = tl.load(lengths + f * batch + b, mask=valid, other=0)
+    bag = (f * num_sources + s).to(tl.int64) * batch_capacity + b
+    tl.store(offsets_ptr + 1 + bag, n.to(tl.int64), mask=(b < batch_capacity) & mine)
 
 
 _launcher = Launcher(bag_offsets_kernel)
@@ -108,9 +107,11 @@ def bag_offsets(
     S, cap = slots.numel() // layout.nbytes, layout.batch_capacity
     offsets = torch.empty(num_features * S * cap + 1, dtype=torch.int64, device=slots.device)
     wait = ready is not None
-    _launcher[(1,)](
+    grid = (max(num_features, 1), S, triton.cdiv(cap, BLOCK))
+    _launcher[grid](
         slots, offsets, record, ready if wait else record, err if wait else record,
         num_features, S, cap, layout.nbytes, layout.lengths_offset, target, timeout_ns,
         WAIT=wait, WORDS=HEADER_WORDS, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
+    offsets[1:].cumsum_(0)
     return offsets

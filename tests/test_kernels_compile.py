@@ -86,7 +86,7 @@ CASES = {
          "batch_capacity": "i32", "slot_bytes": "i64", "lengths_offset": "i32",
          "target": "i64", "timeout_ns": "i64", "WAIT": "constexpr", "WORDS": "constexpr",
          "BLOCK": "constexpr"},
-        [{"WAIT": True, "WORDS": 8, "BLOCK": 4096}, {"WAIT": False, "WORDS": 8, "BLOCK": 4096}],
+        [{"WAIT": True, "WORDS": 8, "BLOCK": 1024}, {"WAIT": False, "WORDS": 8, "BLOCK": 1024}],
     ),
     "gather_ids": (
         gather_ids_kernel,
