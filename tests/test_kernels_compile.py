@@ -21,6 +21,7 @@ from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
 from torchrec_pgas.kernels import lookup_put  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
+from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
 
@@ -87,6 +88,15 @@ CASES = {
          "target": "i64", "timeout_ns": "i64", "WAIT": "constexpr", "WORDS": "constexpr",
          "BLOCK": "constexpr"},
         [{"WAIT": True, "WORDS": 8, "BLOCK": 1024}, {"WAIT": False, "WORDS": 8, "BLOCK": 1024}],
+    ),
+    "row_buckets": (
+        row_buckets_kernel,
+        {"values_ptr": "*i64", "offsets_ptr": "*i64", "weights_ptr": "*fp32",
+         "block_sizes_ptr": "*i64", "lengths_out_ptr": "*i32", "offsets_out_ptr": "*i32",
+         "values_out_ptr": "*i64", "weights_out_ptr": "*fp32", "num_values": "i64", "num_bags": "i32", "batch": "i32",
+         "world": "i32", "COUNT": "constexpr", "HAS_WEIGHTS": "constexpr", "BLOCK": "constexpr",
+         "W_PAD": "constexpr"},
+        [{"COUNT": c, "HAS_WEIGHTS": w, "BLOCK": 128, "W_PAD": 8} for c in (True, False) for w in (True, False)],
     ),
     "gather_ids": (
         gather_ids_kernel,

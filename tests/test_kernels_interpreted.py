@@ -47,14 +47,14 @@ else:
 
 @pytest.fixture(scope="module")
 def k():
-    from torchrec_pgas.kernels import bag_offsets, gather_ids, ids_check, ids_header, lookup_put, rows_put
+    from torchrec_pgas.kernels import bag_offsets, gather_ids, ids_check, ids_header, lookup_put, row_buckets, rows_put
 
     class Kernels:
         pass
 
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
-    Kernels.lookup_put = lookup_put
+    Kernels.lookup_put, Kernels.row_buckets = lookup_put, row_buckets
     return Kernels
 
 
@@ -196,6 +196,41 @@ def test_feature_runs_cut_each_owner_at_every_gap():
         [[5, 1], [3, 2], [4, 1]],
         [[0, 0], [0, 0], [0, 0]],
     ]
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(6))
+def test_row_buckets_match_fbgemm_block_bucketize(k, seed):
+    """``row_buckets`` against FBGEMM's ``block_bucketize_sparse_features`` as TorchRec's
+    ``row_wise`` calls it: uneven bags (empty ones too), ids past the tables, with and
+    without weights; negative ids land in bounds."""
+    import fbgemm_gpu  # noqa: F401
+
+    g = torch.Generator().manual_seed(70 + seed)
+    rnd = random.Random(seed)
+    F, W, B = rnd.randint(1, 4), rnd.randint(1, 5), rnd.randint(0, 40)
+    rows = torch.randint(W, 300, (F,), generator=g)
+    lengths = torch.randint(0, 9, (F * B,), generator=g, dtype=torch.int32)
+    values = torch.randint(0, 320, (int(lengths.sum()),), generator=g)  # some past the tables
+    weights = torch.rand(values.numel(), generator=g) if seed % 2 else None
+    block = (rows + W - 1) // W
+    offsets = _offsets(lengths)
+    got = k.row_buckets.row_buckets(values, offsets, weights, block, W)
+    want_lengths, want_values, want_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, values, bucketize_pos=False, sequence=False, block_sizes=block, my_size=W, weights=weights
+    )
+    assert torch.equal(got[2], want_lengths), "ids per (owner, feature, sample)"
+    assert torch.equal(got[1].long(), _offsets(want_lengths).long())
+    assert torch.equal(got[0], want_values), "local ids, in their order in each bag"
+    if weights is not None:
+        assert torch.equal(got[3], want_weights)
+    if values.numel():
+        values[rnd.randrange(values.numel())] = -rnd.randint(1, 10**12)
+        bucketed_values, bucketed_offsets, bucketed_lengths, _ = k.row_buckets.row_buckets(values, offsets, weights, block, W)
+        assert int(bucketed_lengths.sum()) == values.numel(), "every id goes to one owner"
+        assert int(bucketed_offsets[-1]) == values.numel()
+        torn = k.row_buckets.row_buckets(values[:-1].clone(), offsets, weights, block, W)
+        assert int(torn[2].sum()) == values.numel() - 1, "offsets past the ids read nothing"
 
 
 @_interpreted

@@ -4,8 +4,8 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
 ``ceil(rows / world)`` rows). What differs from table-wise:
 
 * ``send_ids``: ids are checked against the whole tables, then bucketed by row block
-  on the device (FBGEMM's ``block_bucketize_sparse_features``, called as TorchRec's
-  ``bucketize_kjt_before_all2all`` calls it), and
+  on the device (``kernels/row_buckets``: FBGEMM's ``block_bucketize_sparse_features``
+  as TorchRec calls it, in fewer host steps), and
   owner ``o``'s bucket, with ids local to its block, goes into its slot. Nothing is
   read back: a bucket holds exactly the ids of its block, whatever their count.
 * ``exchange_pooled``: every owner pools partial sums of every feature and stores
@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.kernels.row_buckets import row_buckets
 from torchrec_pgas.sharding.rw_exchange import MeanAfterSum
 from torchrec_pgas.sharding.tw_base import TwFeature, route_of
 from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange, LookupBatch
@@ -70,12 +71,7 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         past the blocks), but such a batch is sent as its header alone."""
         if kjt.stride() == 0:  # nothing to bucket (FBGEMM would launch an empty grid)
             return values, offsets, lengths, weights
-        # TorchRec's bucketize_kjt_before_all2all makes this call, wrapped in two KJTs.
-        lengths, values, weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, values, bucketize_pos=False, sequence=False, block_sizes=self._block_sizes,
-            my_size=self._t.world_size, weights=weights,
-        )
-        return values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths), lengths, weights
+        return row_buckets(values, offsets, weights, self._block_sizes, self._t.world_size)
 
     def _routed_features(self, owner: int) -> List[int]:
         """Owner ``owner``'s bucket: features ``owner * F ... (owner + 1) * F - 1``."""
