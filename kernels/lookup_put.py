@@ -2,7 +2,7 @@
 final place in the requester's output: the inference lookup, without an index tensor,
 a lookup output or a separate put.
 
-Program ``(s, blk, f)`` pools bags ``blk * BLOCK_B ...`` of feature ``f`` for requester
+Program ``(blk, s, f)`` pools bags ``blk * BLOCK_B ...`` of feature ``f`` for requester
 ``s`` and stores them through ``s``'s peer mapping (NVLink) at the feature's columns.
 The pooling is FBGEMM's, operation for operation, so results are bit-identical to
 TorchRec's lookup: per bag, rows are added in id order into an fp32 accumulator
@@ -110,10 +110,11 @@ def lookup_put_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    blk = tl.program_id(1)
+    # Blocks of bags on the first axis: the others take at most 65535 programs.
+    blk = tl.program_id(0)
+    s = tl.program_id(1)
     f = tl.program_id(2)
-    S = tl.num_programs(0)
+    S = tl.num_programs(1)
     slot = slots_ptr + s.to(tl.int64) * slot_bytes
     batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
     ok = blk * BLOCK_B < batch
@@ -197,13 +198,13 @@ def lookup_put(
     free_target: int,
     timeout_ns: int,
 ) -> None:
-    """Launches ``(S, cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, F)`` programs (see the module
+    """Launches ``(cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, S, F)`` programs (see the module
     docstring); ``launch`` counts this launch and the ones before it on ``done``."""
     S, F = out_addrs.numel(), features.size(0)
     if F == 0:
         return
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
-    grid = (S, triton.cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), F)
+    grid = (triton.cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,

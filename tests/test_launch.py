@@ -113,3 +113,29 @@ def test_a_knob_triton_keys_on_gets_its_own_variant(launches):
     finally:
         knobs.runtime.debug = False
     assert [n for n, _ in launches] == ["through Triton", 1, 1, "through Triton", 2, 2]
+
+
+def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
+    """CUDA takes at most 65535 programs on a grid's second and third axes: the blocks
+    of bags go on the first (65536 samples per rank with the default headroom of 2
+    once put 65536 blocks on the second)."""
+    from torchrec_pgas.kernels import lookup_put
+    from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+
+    grids = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(lookup_put, "_launcher", _Recorder())
+    layout = IdsSlotLayout(max_features=8, batch_capacity=4 * 131072, ids_capacity=1)
+    t = torch.zeros(8, dtype=torch.int64)
+    lookup_put.lookup_put(
+        t, t, torch.zeros(8, 4, dtype=torch.int64), torch.zeros(1), torch.zeros(1), t[:8], t, t, t, t,
+        layout, 1024, 1, False, 0, 10**9,
+    )
+    (grid,) = grids
+    assert grid[0] * lookup_put.BLOCK_B >= layout.batch_capacity
+    assert max(grid[1:]) <= 65535, grid
