@@ -34,7 +34,8 @@ def markdown(rows: List[Dict[str, Any]], header: str) -> str:
 
 
 def plot(rows: List[Dict[str, Any]], path: str) -> None:
-    """Speed-ups over the baseline per scenario (one panel each), if matplotlib is here."""
+    """Speed-ups over the baseline per scenario (one panel each, a line per pair and
+    measurement), if matplotlib is here."""
     try:
         import matplotlib
 
@@ -48,14 +49,21 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.4 * grid), squeeze=False)
     for ax in axes.flat[len(scenarios):]:
         ax.set_visible(False)
+    colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
     for ax, scenario in zip(axes.flat, scenarios):
         mine = [r for r in rows if r["scenario"] == scenario]
-        x = range(len(mine))
-        for key, name in METRICS:
-            ax.plot(x, [r["baseline"][key] / r["ours"][key] for r in mine], marker="o", label=name)
+        shorts = list(dict.fromkeys(r["short"] for r in mine))
+        # One line per pair and measurement: solid for the first pair, dashed for the next.
+        for pair, style in zip(dict.fromkeys(tuple(r["pair"]) for r in mine), ("-", "--", ":")):
+            points = [(shorts.index(r["short"]), r) for r in mine if tuple(r["pair"]) == pair]
+            for key, name in METRICS:
+                ax.plot(
+                    [x for x, _ in points], [r["baseline"][key] / r["ours"][key] for _, r in points],
+                    style, color=colors[key], marker="o", label=f"{name}, {pair[1]}",
+                )
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(list(x))
-        ax.set_xticklabels([r["short"] for r in mine], rotation=30, fontsize=7)
+        ax.set_xticks(list(range(len(shorts))))
+        ax.set_xticklabels(shorts, rotation=30, fontsize=7)
         ax.set_title(scenario)
         ax.set_ylabel("speed-up over TorchRec")
         ax.set_ylim(bottom=0)
