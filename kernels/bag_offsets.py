@@ -66,13 +66,18 @@ def bag_offsets_kernel(
     if WAIT:
         for q in range(num_sources):
             if arrived:
+                # After a wait that timed out (another program's, or an earlier step's
+                # not yet reported), spin no more: the grid's programs would otherwise
+                # time out wave after wave.
+                arrived = tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0
+            if arrived:
                 arrived = wait_ge(ready_ptr + q, target, timeout_ns, err_ptr, q, WAIT_DATA)
         # Every thread reads the slots after the one that waited (acquire) saw them.
         tl.debug_barrier()
     if (f == 0) & (s == 0) & (blk == 0):
         words = tl.arange(0, WORDS)
         for q in range(num_sources):
-            header = (slots_ptr + slot_bytes * q).to(tl.pointer_type(tl.int64), bitcast=True)
+            header = (slots_ptr + slot_bytes.to(tl.int64) * q).to(tl.pointer_type(tl.int64), bitcast=True)
             tl.store(record_ptr + q * WORDS + words, tl.load(header + words))
         tl.store(offsets_ptr, 0)
     slot = slots_ptr + s.to(tl.int64) * slot_bytes

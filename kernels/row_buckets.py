@@ -11,7 +11,8 @@ number of ids per owner; otherwise it puts each id at its place in its owner's b
 Buffers:
     values:       int64 [n]          the KJT's ids (negative ids go to some owner too:
                                      the batch is refused, but routed in bounds)
-    offsets:      int [F * B + 1]    the KJT's offsets (ids past ``n`` are not read)
+    offsets:      int [F * B + 1]    the KJT's offsets (only ids in ``[0, n)`` are read,
+                                     and only ``n`` are written, whatever the offsets)
     weights:      float32 [n]        per-sample weights (with HAS_WEIGHTS)
     block_sizes:  int64 [F]          rows of each feature's table per owner
     lengths_out:  int32 [W * F * B]  bag ``(o, f, b)`` at ``(o * F + f) * B + b`` (out
@@ -66,8 +67,9 @@ def row_buckets_kernel(
     else:
         pos = tl.load(offsets_out_ptr + out, mask=out_ok, other=0).to(tl.int64)
     for j in range(0, tl.max(L)):
-        # Offsets past the ids (a torn KJT, which the send refuses) read nothing.
-        take = (j < L) & (start + j < num_values)
+        # Offsets outside the ids (a torn KJT, negative lengths: the send refuses
+        # them) read nothing, and bags they make overlap write nothing past the ids.
+        take = (j < L) & (start + j >= 0) & (start + j < num_values)
         x = tl.load(values_ptr + start + j, mask=take, other=0)
         inside = (x >= 0) & (x < rows * world)
         o = tl.where(inside, x // rows, ((x % world) + world) % world)
@@ -77,9 +79,10 @@ def row_buckets_kernel(
         else:
             # Each id takes the next place of its owner's bag: ids keep their order.
             dst = tl.sum(tl.where(hit, pos, 0), axis=1)
-            tl.store(values_out_ptr + dst, tl.where(inside, x - o * rows, x // world), mask=take)
+            put = take & (dst < num_values)
+            tl.store(values_out_ptr + dst, tl.where(inside, x - o * rows, x // world), mask=put)
             if HAS_WEIGHTS:
-                tl.store(weights_out_ptr + dst, tl.load(weights_ptr + start + j, mask=take), mask=take)
+                tl.store(weights_out_ptr + dst, tl.load(weights_ptr + start + j, mask=take), mask=put)
             pos += hit.to(tl.int64)
     if COUNT:
         tl.store(lengths_out_ptr + out, counts, mask=out_ok)

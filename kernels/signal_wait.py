@@ -31,6 +31,8 @@ def signal_wait_kernel(sig_ptr, peers_ptr, err_ptr, record_ptr, num_peers, targe
             peer = tl.load(peers_ptr + i)
             ok = wait_ge(sig_ptr + peer, target, timeout_ns, err_ptr, peer, what)
     if COPY:
+        # The thread that recorded a timeout stored the words; the others read them.
+        tl.debug_barrier()
         words = tl.arange(0, 4)
         tl.store(record_ptr + at + words, tl.load(err_ptr + words))
 

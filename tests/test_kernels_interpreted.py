@@ -234,6 +234,26 @@ def test_row_buckets_match_fbgemm_block_bucketize(k, seed):
 
 
 @_interpreted
+@pytest.mark.parametrize("offsets", [[0, -3, 2], [0, 2, 1, 3], [0, 3, 3, 1]])
+def test_row_buckets_stay_in_bounds_whatever_the_offsets(k, offsets):
+    """Offsets of negative lengths (the send refuses such a batch, after routing it)
+    read no id outside the values and write none past the output, even where bags
+    overlap and count more ids than there are."""
+    n, W = 3, 2
+    ids = torch.tensor([-1, -1, 5, 150, 60, -1, -1])  # the values are ids[2:5]
+    out = torch.full((n + 4,), -7, dtype=torch.int64)  # the output is out[:n]
+    bags = len(offsets) - 1
+    lengths = torch.empty(W * bags, dtype=torch.int32)
+    grid, meta = (1,), dict(HAS_WEIGHTS=False, BLOCK=k.row_buckets.BLOCK, W_PAD=W, num_warps=4)
+    args = [ids[2:5], torch.tensor(offsets), ids, torch.tensor([100]), lengths, lengths, out, out, n, bags, bags, W]
+    k.row_buckets.row_buckets_kernel[grid](*args, COUNT=True, **meta)
+    args[5] = _offsets(lengths).to(torch.int32)
+    k.row_buckets.row_buckets_kernel[grid](*args, COUNT=False, **meta)
+    assert (out[n:] == -7).all(), "nothing written past the output"
+    assert set(out[:n].tolist()) <= {-7, 5, 50, 60}, "only ids of the values, made local to their block"
+
+
+@_interpreted
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("problem", ["none", "too_large", "negative_id"])
 def test_row_block_routing_reports_the_checked_ids(k, seed, problem):

@@ -21,7 +21,7 @@ kernels, so the host only enqueues a handful of launches per step:
   output (peer mapping) and counts them in; the requester waits for its count (the
   wait copies the transport's error record next to the step's headers), copies its
   output out of the slot, releases it, and reads the headers and the error record in
-  one read-back.
+  one read-back (a second one only to report a timed-out wait).
 * ``exchange_grads``: each owner's gradient block is put into its per-source slot;
   the owner hands the slots, in lookup order, to FBGEMM's backward, whose fused
   optimizer applies the update exactly as under ``table_wise``.
