@@ -68,14 +68,7 @@ def _measure(cfg: Config, sharding: str, device: torch.device, pg, args) -> Tupl
 def _time_ebc(model, kjts, grads, device, pg, args) -> Tuple[torch.Tensor, Dict[str, float]]:
     with torch.no_grad():
         first = model(kjts[0]).clone()
-
-    def forward(i: int) -> None:
-        with torch.no_grad():
-            model(kjts[i % len(kjts)])
-
-    def train_step(i: int) -> None:
-        model(kjts[i % len(kjts)]).backward(grads[i % len(grads)])
-
+    forward, train_step = workload.steps(model, kjts, grads)
     return first, {
         "forward_ms": timing.median_ms(forward, args.iters, args.warmup, device, pg),
         "train_ms": timing.median_ms(train_step, args.iters, args.warmup, device, pg),

@@ -19,7 +19,7 @@ import os
 import pstats
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,6 @@ from tqdm import tqdm
 from torchrec_pgas.benchmark import workload
 from torchrec_pgas.benchmark.config import add_config_args, base_config
 from torchrec_pgas.process import finish, start_rank
-
-Step = Callable[[int], None]
 
 
 def _parse() -> argparse.Namespace:
@@ -109,19 +107,6 @@ def _torch_profile(fn: Callable[[int], None], device: torch.device, path: str) -
                 f.write(averages.table(sort_by="self_cuda_time_total", row_limit=25))
 
 
-def _steps(model: torch.nn.Module, kjts: List[Any], grads: List[torch.Tensor]) -> Tuple[Step, Step]:
-    """The forward (inference) and the training step of ``model``, on batch ``i % 4``."""
-
-    def forward(i: int) -> None:
-        with torch.no_grad():
-            model(kjts[i % 4])
-
-    def train_step(i: int) -> None:
-        model(kjts[i % 4]).backward(grads[i % 4])
-
-    return forward, train_step
-
-
 def main() -> None:
     args = _parse()
     device = start_rank()
@@ -132,7 +117,7 @@ def main() -> None:
     grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in kjts]
     lines: List[str] = []
     for sharding in tqdm(args.shardings.split(","), desc="shardings", disable=rank != 0):
-        forward, train_step = _steps(workload.build(cfg, sharding, device, dist.group.WORLD), kjts, grads)
+        forward, train_step = workload.steps(workload.build(cfg, sharding, device, dist.group.WORLD), kjts, grads)
         for name, fn in (("forward", forward), ("train_step", train_step)):
             t = _times(fn, args.iters, device)
             lines.append(f"{sharding:18} {name:11} " + "  ".join(f"{k} {v:.3f}" for k, v in t.items()))

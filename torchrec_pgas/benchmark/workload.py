@@ -1,7 +1,7 @@
 """The models and batches a benchmark runs: the same weights and ids whatever the
 sharding, so outputs can be compared bit for bit."""
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,22 @@ def batches(cfg: Config, device: torch.device, n: int, rank: int) -> List[KeyedJ
     else:
         draw = lambda: torch.randint(0, cfg.rows, (count,), generator=g, device=device)  # noqa: E731
     return [KeyedJaggedTensor(keys=[f"f{i}" for i in range(cfg.tables)], values=draw(), lengths=lengths) for _ in range(n)]
+
+
+def steps(
+    model: nn.Module, kjts: List[KeyedJaggedTensor], grads: List[torch.Tensor]
+) -> Tuple[Callable[[int], None], Callable[[int], None]]:
+    """The forward (inference) and the training step of ``model`` on batch ``i``
+    (cycling through ``kjts``, with the output gradients ``grads``)."""
+
+    def forward(i: int) -> None:
+        with torch.no_grad():
+            model(kjts[i % len(kjts)])
+
+    def train_step(i: int) -> None:
+        model(kjts[i % len(kjts)]).backward(grads[i % len(grads)])
+
+    return forward, train_step
 
 
 def dense_features(cfg: Config, device: torch.device, n: int, rank: int) -> List[torch.Tensor]:
