@@ -69,7 +69,7 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
         with ids local to its block. Bad ids land in some bucket (FBGEMM hashes ids
         past the blocks), but such a batch is sent as its header alone."""
-        if kjt.stride() == 0:  # nothing to bucket (FBGEMM would launch an empty grid)
+        if kjt.stride() == 0:  # nothing to bucket
             return values, offsets, lengths, weights
         return row_buckets(values, offsets, weights, self._block_sizes, self._t.world_size)
 

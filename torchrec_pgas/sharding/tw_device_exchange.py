@@ -200,7 +200,9 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
-        self._slot_views = [self._ids[g * world * layout.nbytes : (g + 1) * world * layout.nbytes] for g in range(depth)]
+        self._slot_views = [
+            self._ids[self._ids_slot_offset(0, g) : self._ids_slot_offset(world, g)] for g in range(depth)
+        ]
         self._out_views = [
             self._out.local[g * self._out_slot : (g + 1) * self._out_slot]
             .view(self._out_dtype)
@@ -313,7 +315,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
         slots = self._slot_views[step % DEFAULT_DEPTH]
-        record = torch.empty(world * HEADER_WORDS + 4, dtype=torch.int64, device=self._dev)
+        record = torch.empty(world * HEADER_WORDS + self._t.err.numel(), dtype=torch.int64, device=self._dev)
         features = len(self._features_per_rank[self._me])
         offsets = bag_offsets(
             slots, features, layout, record, self._ids_ready, arrived(step), self._t.err, self._t.timeout_ns
@@ -432,7 +434,7 @@ class DeviceTwExchange(BaseTwExchange):
         (then the copy of the error record to the end of ``record``, if given)."""
         signal_wait(
             sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns,
-            record, 0 if record is None else record.numel() - 4,
+            record, self._t.world_size * HEADER_WORDS,
         )
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
@@ -482,9 +484,9 @@ class DeviceTwExchange(BaseTwExchange):
     def _check(self, step_record: torch.Tensor) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""
         record = step_record.tolist()
-        if record[-4]:  # the error record's code word
-            self._t.check(self._name)
         n = HEADER_WORDS
+        if record[self._t.world_size * n]:  # the error record's code word
+            self._t.check(self._name)
         self._raise_for_bad_headers(
             [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)],
             self._out_step,
