@@ -22,12 +22,14 @@ Buffers:
     offsets:   int64 [F * S * batch_capacity + 1]  bag offsets of ``bag_offsets``: bag
                ``(f, s, b)`` is ``(f * S + s) * batch_capacity + b``
     features:  int64 [F, 4]  per feature: address of its table's row 0, dim, first
-               column in the requester's output, 1 for mean pooling else 0
+               column in the requester's output (both multiples of 4), 1 for mean
+               pooling else 0
     table:     any tensor of the tables' dtype (only its pointer type is used); rows
                start at multiples of 4 elements (``ROW_ALIGN`` bytes)
     out_like:  any tensor of the output's dtype (only its pointer type is used)
-    out_addrs: int64 [S]  address of each requester's output slot of this step,
-               rows of ``pitch`` elements, through the peer mapping
+    out_addrs: int64 [S]  address of each requester's output slot of this step
+               (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a multiple
+               of 4), through the peer mapping
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
     done:      int64 [S, cdiv(batch_capacity, COUNT_B)]  programs finished per block of
                ``COUNT_B`` rows, over all steps (never reset)
@@ -105,6 +107,7 @@ def lookup_put_kernel(
     timeout_ns,
     HAS_WEIGHTS: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
     COUNT_B: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -137,16 +140,18 @@ def lookup_put_kernel(
 
         meta = features_ptr + f * 4
         table = tl.multiple_of(tl.load(meta).to(table_ptr.dtype, bitcast=True), ROW_ALIGN)
-        dim = tl.load(meta + 1)
-        col = tl.load(meta + 2)
+        # Dims, columns and the pitch are multiples of 4 elements (FBGEMM's dims are):
+        # told so, Triton loads and stores 4 elements at once (else one at a time).
+        dim = tl.multiple_of(tl.load(meta + 1), 4)
+        col = tl.multiple_of(tl.load(meta + 2), 4)
         # FBGEMM multiplies by 1/L (IEEE division) for mean and by 1 for sum.
         inv_L = tl.where(
             (tl.load(meta + 3) != 0) & (L != 0),
             tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), L.to(tl.float32)),
             1.0,
         )
-        out = tl.load(out_addrs_ptr + s).to(out_like_ptr.dtype, bitcast=True)
-        dst_rows = rows.to(tl.int64) * pitch + col
+        out = tl.multiple_of(tl.load(out_addrs_ptr + s).to(out_like_ptr.dtype, bitcast=True), OUT_ALIGN)
+        dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
         longest = tl.max(L)
         for d0 in range(0, dim, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -209,7 +214,7 @@ def lookup_put(
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
         pitch, launch * F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
-        HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), COUNT_B=COUNT_B,
+        HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), OUT_ALIGN=4 * out_like.element_size(), COUNT_B=COUNT_B,
         BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, num_warps=NUM_WARPS,
     )
 

@@ -9,11 +9,14 @@ requester knows how many programs serve it (``cdiv(its batch, BLOCK_B)``), so it
 for its counter to reach the running total.
 
 Buffers:
-    src:       [S * batch_capacity, dim] pooled rows, requester-major
+    src:       [S * batch_capacity, dim] pooled rows, requester-major (dim a multiple
+               of 4)
     batch:     int64 [S]  batch size of each requester (from its ids header), every
                           ``batch_stride`` words
-    out_addrs: int64 [S]  address of each requester's output slot of this step,
-                          rows of ``pitch`` elements, through the peer mapping
+    out_addrs: int64 [S]  address of each requester's output slot of this step
+                          (``ALIGN`` bytes aligned), rows of ``pitch`` elements, the
+                          owner's block from column ``col`` (both multiples of 4),
+                          through the peer mapping
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
     err:       int64 [4]  error record (see ``signals.py``)
@@ -31,7 +34,9 @@ BLOCK_D = 128
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "dim", "pitch", "col", "free_target", "timeout_ns"])
+# dim, pitch and col are specialized: Triton then knows when they are multiples of 16
+# and moves 4 elements at once.
+@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "free_target", "timeout_ns"])
 def rows_put_kernel(
     src_ptr,
     batch_ptr,
@@ -48,6 +53,7 @@ def rows_put_kernel(
     timeout_ns,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     s = tl.program_id(0)
     blk = tl.program_id(1)
@@ -57,7 +63,7 @@ def rows_put_kernel(
         if free_target > 0:
             ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
         if ok:
-            out = tl.load(out_addrs_ptr + s).to(src_ptr.dtype, bitcast=True)
+            out = tl.multiple_of(tl.load(out_addrs_ptr + s).to(src_ptr.dtype, bitcast=True), ALIGN)
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
             src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
@@ -94,7 +100,7 @@ def rows_put(
     _launcher[grid](
         src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
         batch_capacity, dim, pitch, col, free_target, timeout_ns,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * src.element_size(), num_warps=NUM_WARPS,
     )
 
 

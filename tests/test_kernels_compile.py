@@ -22,6 +22,7 @@ from torchrec_pgas.kernels import lookup_put  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
+from torchrec_pgas.kernels import rows_put  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
 
@@ -54,8 +55,8 @@ CASES = {
          "cnt_addrs_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
          "batch_capacity": "i32", "dim": "i32", "pitch": "i32", "col": "i32",
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr",
-         "BLOCK_D": "constexpr"},
-        [{"BLOCK_B": 32, "BLOCK_D": 128}],
+         "BLOCK_D": "constexpr", "ALIGN": "constexpr"},
+        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16}],
     ),
     "ids_check": (
         ids_check_kernel,
@@ -118,8 +119,9 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
          "batch_capacity": "i32", "slot_bytes": "i64", "ids_offset": "i64",
          "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
          "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "ROW_ALIGN": "constexpr",
-         "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr", "ROWS": "constexpr"},
-        [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": lookup_put.BLOCK_B,
+         "OUT_ALIGN": "constexpr", "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
+         "ROWS": "constexpr"},
+        [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "OUT_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": lookup_put.BLOCK_B,
           "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS} for w in (True, False)],
     )
 
@@ -136,3 +138,27 @@ def test_kernel_compiles_for_sm90_with_nvshmem(name):
         )
         assert compiled.asm["cubin"], name
         assert "ptx" in compiled.asm
+
+
+def _ptx(name, constexprs, num_warps, attrs=None):
+    fn, signature, _ = CASES[name]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs or {})
+    options = {"extern_libs": (("libnvshmem_device", _bitcode()),), "num_warps": num_warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_pooled_rows_move_four_elements_at_once():
+    """``lookup_put`` reads table rows and stores pooled rows 4 fp32 at a time (16-byte
+    accesses, as FBGEMM's forward does; moving one at a time, it took 0.29 ms at R1 where
+    FBGEMM's forward took 0.18 ms). ``rows_put`` does too once Triton has specialized its
+    sizes as multiples of 16."""
+    unweighted = CASES["lookup_put_fp32_to_fp32"][2][1]
+    ptx = _ptx("lookup_put_fp32_to_fp32", unweighted, lookup_put.NUM_WARPS)
+    assert ptx.count("ld.global.v4.b32") >= lookup_put.ROWS and "st.global.v4.b32" in ptx
+    assert "ld.global.b32" not in ptx, "every table load is a vector load"
+    sixteen = [["tt.divisibility", 16]]
+    names = list(CASES["rows_put"][1])
+    attrs = {(names.index(a),): sixteen for a in ("src_ptr", "dim", "pitch", "col")}
+    ptx = _ptx("rows_put", CASES["rows_put"][2][0], rows_put.NUM_WARPS, attrs)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx

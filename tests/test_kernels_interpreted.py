@@ -374,8 +374,8 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     rnd = random.Random(seed)
     S = rnd.randint(1, 4)
     dim = rnd.choice([4, 12, 128, 136, 260])  # past BLOCK_D too
-    col = rnd.randint(0, 9)
-    pitch = col + dim + rnd.randint(0, 9)
+    col = 4 * rnd.randint(0, 2)  # columns and the pitch: multiples of 4, as the kernel may assume
+    pitch = col + dim + 4 * rnd.randint(0, 2)
     batches = [rnd.choice([0, 1, 31, 32, 33, 70]) for _ in range(S)]
     cap = max(batches + [1])
     src = torch.randn(S * cap, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -418,9 +418,10 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     dims = [rnd.choice([4, 12, 128, 136]) for _ in range(F)]  # past BLOCK_D too
     means = [rnd.random() < 0.5 for _ in range(F)]
     tables = [torch.randn(1000, d, generator=g).to(dtype) for d in dims]
-    first_col = rnd.randint(0, 5)
+    # Columns and the pitch are multiples of 4, as the kernel may assume.
+    first_col = 4 * rnd.randint(0, 2)
     cols = [first_col + sum(dims[:f]) for f in range(F)]
-    pitch = first_col + sum(dims) + rnd.randint(0, 5)
+    pitch = first_col + sum(dims) + 4 * rnd.randint(0, 2)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
     offsets = k.bag_offsets.bag_offsets(slots, F, layout, torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64))
     outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
