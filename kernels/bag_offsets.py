@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_DATA, wait_ge
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
@@ -112,7 +112,7 @@ def bag_offsets(
     S, cap = slots.numel() // layout.nbytes, layout.batch_capacity
     offsets = torch.empty(num_features * S * cap + 1, dtype=torch.int64, device=slots.device)
     wait = ready is not None
-    grid = (max(num_features, 1), S, triton.cdiv(cap, BLOCK))
+    grid = (max(num_features, 1), S, cdiv(cap, BLOCK))
     _launcher[grid](
         slots, offsets, record, ready if wait else record, err if wait else record,
         num_features, S, cap, layout.nbytes, layout.lengths_offset, target, timeout_ns,

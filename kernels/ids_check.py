@@ -2,23 +2,27 @@
 
 Sources validate their own ids before sending them, so an owner never indexes out of
 its tables. The verdict stays on the device: ``ids_header`` turns it into the slot
-headers (and resets it for the next batch).
+headers (and resets it for the next batch). Slots hold int32 lengths: the kernel
+narrows a KJT's wider lengths as it reads them, which spares the step a copy of its own.
 
 Buffers:
     values:    int64 [n_ids]         the KJT's ids, feature-major
     offsets:   int  [F * batch + 1]  the KJT's offsets; feature f's ids start at
                                      ``offsets[f * batch]``
     lengths:   int  [F * batch]      the KJT's lengths
+    narrowed:  int32 [F * batch]     out (with ``NARROW``): the lengths as int32
     num_rows:  int64 [F]             rows of each feature's table
     verdict:   int64 [2]             in/out: smallest position of an out-of-range id,
                                      smallest position of a negative length (``NONE``
                                      where there is none)
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, cdiv
 
 #: What a verdict word holds when nothing is wrong.
 NONE = 2**62
@@ -31,6 +35,7 @@ def ids_check_kernel(
     values_ptr,
     offsets_ptr,
     lengths_ptr,
+    narrowed_ptr,
     num_rows_ptr,
     verdict_ptr,
     n_ids,
@@ -38,6 +43,7 @@ def ids_check_kernel(
     batch,
     num_features,
     NONE: tl.constexpr,
+    NARROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -54,7 +60,10 @@ def ids_check_kernel(
     if first_bad < NONE:
         tl.atomic_min(verdict_ptr, first_bad)
     in_lengths = k < n_lengths
-    negative = in_lengths & (tl.load(lengths_ptr + k, mask=in_lengths, other=0) < 0)
+    lengths = tl.load(lengths_ptr + k, mask=in_lengths, other=0)
+    if NARROW:
+        tl.store(narrowed_ptr + k, lengths.to(tl.int32), mask=in_lengths)
+    negative = in_lengths & (lengths < 0)
     first_negative = tl.min(tl.where(negative, k, NONE))
     if first_negative < NONE:
         tl.atomic_min(verdict_ptr + 1, first_negative)
@@ -70,12 +79,14 @@ def ids_check(
     num_rows: torch.Tensor,
     verdict: torch.Tensor,
     batch: int,
+    narrowed: Optional[torch.Tensor] = None,
 ) -> None:
-    """Folds this batch's problems into ``verdict`` (see the module docstring)."""
+    """Folds this batch's problems into ``verdict``, and writes the lengths as int32 to
+    ``narrowed`` if given (see the module docstring)."""
     n = max(values.numel(), lengths.numel())
     if n:
-        _launcher[(triton.cdiv(n, BLOCK),)](
-            values, offsets, lengths, num_rows, verdict,
+        _launcher[(cdiv(n, BLOCK),)](
+            values, offsets, lengths, lengths if narrowed is None else narrowed, num_rows, verdict,
             values.numel(), lengths.numel(), batch, num_rows.numel(),
-            NONE=NONE, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            NONE=NONE, NARROW=narrowed is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )

@@ -21,6 +21,17 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grids on the host: ``triton.cdiv`` is a constexpr function,
+    whose call from Python costs microseconds."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` on the host, without its call's cost (see ``cdiv``)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _frozen(value: Any) -> Any:
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
@@ -50,12 +61,21 @@ class Launcher:
             device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()),
             knobs.runtime.debug, knobs.compilation.instrumentation_mode,
         )
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._compiled[key] = kernel[grid](*args, **kwargs)
+        launch = self._compiled.get(key)
+        if launch is None:
+            self._compiled[key] = _direct(kernel[grid](*args, **kwargs))
             return
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(
-            g0, g1, g2, driver.active.get_current_stream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *bound.values(),
+        launch(g0, g1, g2, driver.active.get_current_stream(device), *bound.values())
+
+
+def _direct(compiled: Any) -> Callable[..., None]:
+    """``compiled``'s launch: its launcher's own (C) call where the kernel needs no
+    scratch memory, which the launcher's Python wrapper would allocate per launch."""
+    run = compiled.run
+    if getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0) or not hasattr(run, "launch"):
+        return lambda g0, g1, g2, stream, *args: run(
+            g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
         )
+    fixed = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+    return lambda g0, g1, g2, stream, *args: run.launch(g0, g1, g2, stream, *fixed, *args)

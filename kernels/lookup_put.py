@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
@@ -209,7 +209,7 @@ def lookup_put(
     if F == 0:
         return
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
-    grid = (triton.cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
+    grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
@@ -221,4 +221,4 @@ def lookup_put(
 
 def done_counters(num_sources: int, layout: IdsSlotLayout, device: torch.device) -> torch.Tensor:
     """The zeroed ``done`` buffer for ``lookup_put`` (one word per block of rows)."""
-    return torch.zeros(num_sources, triton.cdiv(layout.batch_capacity, COUNT_B), dtype=torch.int64, device=device)
+    return torch.zeros(num_sources, cdiv(layout.batch_capacity, COUNT_B), dtype=torch.int64, device=device)

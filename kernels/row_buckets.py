@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 
 BLOCK = 128
 NUM_WARPS = 4
@@ -104,13 +104,13 @@ def row_buckets(
     lengths_out = torch.empty(world * num_bags, dtype=torch.int32, device=values.device)
     values_out = torch.empty_like(values)
     weights_out = torch.empty_like(weights) if weights is not None else None
-    grid = (triton.cdiv(num_bags, BLOCK),)
+    grid = (cdiv(num_bags, BLOCK),)
     args = (
         values, offsets, weights if weights is not None else values, block_sizes,
         lengths_out, lengths_out, values_out, weights_out if weights_out is not None else values_out,
         values.numel(), num_bags, num_bags // block_sizes.numel(), world,
     )
-    meta = dict(HAS_WEIGHTS=weights is not None, BLOCK=BLOCK, W_PAD=triton.next_power_of_2(world), num_warps=NUM_WARPS)
+    meta = dict(HAS_WEIGHTS=weights is not None, BLOCK=BLOCK, W_PAD=next_power_of_2(world), num_warps=NUM_WARPS)
     if not num_bags:
         return values_out, offsets.new_zeros(1), lengths_out, weights_out
     _launcher[grid](*args, COUNT=True, **meta)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 
 BLOCK_B = 32
@@ -96,7 +96,7 @@ def rows_put(
 ) -> None:
     """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)."""
     S, dim = batch.numel(), src.size(1)
-    grid = (S, triton.cdiv(batch_capacity, BLOCK_B))
+    grid = (S, cdiv(batch_capacity, BLOCK_B))
     _launcher[grid](
         src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
         batch_capacity, dim, pitch, col, free_target, timeout_ns,
@@ -106,4 +106,4 @@ def rows_put(
 
 def programs_per_requester(batch_size: int) -> int:
     """How many programs of one owner serve a requester of ``batch_size`` samples."""
-    return triton.cdiv(batch_size, BLOCK_B)
+    return cdiv(batch_size, BLOCK_B)

@@ -60,10 +60,10 @@ CASES = {
     ),
     "ids_check": (
         ids_check_kernel,
-        {"values_ptr": "*i64", "offsets_ptr": "*i64", "lengths_ptr": "*i32",
+        {"values_ptr": "*i64", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "narrowed_ptr": "*i32",
          "num_rows_ptr": "*i64", "verdict_ptr": "*i64", "n_ids": "i64", "n_lengths": "i32",
-         "batch": "i32", "num_features": "i32", "NONE": "constexpr", "BLOCK": "constexpr"},
-        [{"NONE": 2**62, "BLOCK": 1024}],
+         "batch": "i32", "num_features": "i32", "NONE": "constexpr", "NARROW": "constexpr", "BLOCK": "constexpr"},
+        [{"NONE": 2**62, "NARROW": n, "BLOCK": 1024} for n in (True, False)],
     ),
     "ids_header": (
         ids_header_kernel,

@@ -27,22 +27,32 @@ class _Driver:
         return GPUTarget("cuda", 90, 32)
 
 
+class _CudaLauncher:
+    """Triton's ``CudaLauncher``: its call allocates the scratch memory a kernel needs
+    (none by default) and hands everything to ``launch``, the C launcher."""
+
+    launch_cooperative_grid, launch_pdl, global_scratch_size, profile_scratch_size = False, True, 0, 0
+
+    def __init__(self, record):
+        self._record = record
+
+    def launch(self, g0, g1, g2, stream, function, coop, pdl, scratch, profile_scratch, packed, metadata, enter, exit, *args):
+        self._record((g0, g1, g2, stream, function, coop, pdl, scratch, profile_scratch, packed) + args)
+
+    def __call__(self, g0, g1, g2, stream, function, *args):
+        scratch = "scratch" if self.global_scratch_size else None
+        self.launch(g0, g1, g2, stream, function, self.launch_cooperative_grid, self.launch_pdl, scratch, None, *args)
+
+
 class _Compiled:
-    """A compiled variant: ``launches`` gets the launcher's arguments, hooks left out."""
+    """A compiled variant: ``launches`` gets what reaches the C launcher, hooks left out."""
 
     def __init__(self, number, launches):
         self.number, self.function, self.packed_metadata = number, 0xF00 + number, (4, 1, 0)
-        self._launches = launches
+        self.run = _CudaLauncher(lambda args: launches.append((number, args)))
 
     def launch_metadata(self, grid, stream, *args):
         return None
-
-    @property
-    def run(self):
-        def launch(g0, g1, g2, stream, function, packed, metadata, enter, exit, *args):
-            self._launches.append((self.number, (g0, g1, g2, stream, function, packed) + args))
-
-        return launch
 
 
 @pytest.fixture
@@ -100,6 +110,17 @@ def test_launches_are_triton_launches(launches):
             launcher[(3, 2)](*args, **kwargs)
         # The first launch through Triton (the variant's compile), then direct ones.
         assert launches[2:] == [("through Triton", None), expected, expected, expected], (args, kwargs)
+
+
+def test_kernels_with_scratch_memory_get_it(launches, monkeypatch):
+    """A kernel that needs scratch memory is launched through the launcher's own call,
+    which allocates it."""
+    monkeypatch.setattr(_CudaLauncher, "global_scratch_size", 64)
+    launcher, (args, kwargs) = Launcher(_kernel), CALLS[0]
+    for _ in range(2):
+        launcher[(3, 2)](*args, **kwargs)
+    assert [n for n, _ in launches] == ["through Triton", 1, 1]
+    assert launches[1] == launches[2] and launches[2][1][7] == "scratch"
 
 
 def test_a_knob_triton_keys_on_gets_its_own_variant(launches):

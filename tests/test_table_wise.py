@@ -79,6 +79,29 @@ def test_forward_matches_unsharded_and_table_wise(world_size, owners, batch_size
     )
 
 
+def _direct_steps(rank, world_size):
+    tables = make_tables(3, seed=4)
+    ref, pgas, tw = _models(world_size, tables, [0, 1, 1], False, seed=4)
+    sharded = pgas.module.ebc
+    torchrec_steps, tracked = [], []
+    compute = sharded.compute_and_output_dist
+    sharded.compute_and_output_dist = lambda *a: torchrec_steps.append(1) or compute(*a)
+    for step in range(4):
+        if step == 3:  # a hook of TorchRec's own steps: the forward takes them again
+            sharded.post_lookup_tracker_fn = lambda features, embs, module, _: tracked.append(embs.shape)
+        kjt = random_kjt(tables, 4 + rank - step % 2, 10 * step + rank)
+        for grad_mode in (torch.no_grad(), torch.enable_grad()):
+            with grad_mode:
+                assert_same_kt(pgas(kjt), tw(kjt), exact=True)
+        # The first batch decides, in TorchRec's steps, that batches go straight through.
+        assert len(torchrec_steps) == {0: 1, 1: 1, 2: 1, 3: 3}[step], step
+    assert len(tracked) == 2
+
+
+def test_forward_skips_torchrec_steps_unless_their_hooks_are_set():
+    run_ranks(_direct_steps, 2)
+
+
 def _train(rank, world_size, optimizer, owners, batch_sizes):
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
     tables = make_tables(len(owners), seed=7)

@@ -63,6 +63,10 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         step = self._exchange.send_ids(sparse_features)
         return _Done(_ReceiveIds(self._exchange, step))
 
+    def send_and_receive(self, sparse_features: KeyedJaggedTensor) -> Any:
+        """``forward`` and both waits in one call: this rank's lookup input."""
+        return self._exchange.recv_ids(self._exchange.send_ids(sparse_features))
+
 
 class _ExchangePooled(torch.autograd.Function):
     """Forward puts pooled rows to their requesters; backward puts the gradient
@@ -105,6 +109,10 @@ class PgasPooledEmbeddingDist(
         local_embs: torch.Tensor,
         sharding_ctx: Optional[EmbeddingShardingContext] = None,
     ) -> Awaitable[torch.Tensor]:
+        return _Done(self.pooled(local_embs))
+
+    def pooled(self, local_embs: torch.Tensor) -> torch.Tensor:
+        """``forward``'s output without the awaitable."""
         route = route_of(local_embs, self._name)
         if not torch.is_grad_enabled():
             out = self._exchange.exchange_pooled(local_embs, route)
@@ -116,7 +124,7 @@ class PgasPooledEmbeddingDist(
             out = _ExchangePooled.apply(local_embs, anchor, self._exchange, route)
         divisor = getattr(route, "divisor", None)
         # Mean pooling of partial sums (row-wise) is only known once they are summed.
-        return _Done(out / divisor if divisor is not None else out)
+        return out / divisor if divisor is not None else out
 
 
 class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -128,6 +136,11 @@ class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pgas_name = name
+
+    def reshards(self) -> bool:
+        """Whether a module has resharding awaitables (fully sharded 2D) for the
+        forward to wait on."""
+        return any(hasattr(m, "get_rs_awaitable") for m in self._emb_modules)
 
     def forward(self, sparse_features: Any) -> torch.Tensor:
         if getattr(sparse_features, "groups", None) is None:

@@ -238,8 +238,15 @@ class DeviceTwExchange(BaseTwExchange):
         else:
             values = values.to(torch.int64)
             weights = weights.to(torch.float32) if weights is not None else None
-        lengths, offsets = kjt.lengths().to(torch.int32), kjt.offsets()
+        lengths, offsets = kjt.lengths(), kjt.offsets()
         checked = (values, offsets, lengths)
+        # Slots hold int32 lengths; ids_check narrows wider ones as it checks them.
+        narrowed = None
+        if lengths.dtype != torch.int32:
+            if problem is None:
+                lengths = narrowed = torch.empty(lengths.numel(), dtype=torch.int32, device=self._dev)
+            else:
+                lengths = lengths.to(torch.int32)
         if problem is None:
             values, offsets, lengths, weights = self._route(kjt, values, offsets, lengths, weights)
         else:
@@ -262,7 +269,7 @@ class DeviceTwExchange(BaseTwExchange):
         headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         chunks = torch.empty(world, 3 * self._runs.size(1) + 1, 3, dtype=torch.int64, device=self._dev)
         if problem is None:
-            ids_check(*checked, self._num_rows, verdict, batch)
+            ids_check(*checked, self._num_rows, verdict, batch, narrowed)
         ids_header(
             verdict, values, offsets, lengths, weights, self._num_rows, self._runs,
             headers, chunks, batch, problem, layout, self._ids_slot_offset(self._me, step),
