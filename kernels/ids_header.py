@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.ids_check import NONE
-from torchrec_pgas.kernels.launch import Launcher
+from torchrec_pgas.kernels.launch import Launcher, next_power_of_2
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
@@ -233,6 +233,6 @@ def ids_header(
         layout.lengths_offset, layout.ids_offset, layout.weights_offset,
         lengths.data_ptr(), values.data_ptr(),
         weights.data_ptr() if weights is not None else values.data_ptr(), headers.data_ptr(),
-        W=world, BLOCK_W=triton.next_power_of_2(world), R=runs.size(1), WORDS=HEADER_WORDS, NONE=NONE,
+        W=world, BLOCK_W=next_power_of_2(world), R=runs.size(1), WORDS=HEADER_WORDS, NONE=NONE,
         num_warps=1,
     )
