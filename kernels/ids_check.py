@@ -2,7 +2,7 @@
 
 Sources validate their own ids before sending them, so an owner never indexes out of
 its tables. The verdict stays on the device: ``ids_header`` turns it into the slot
-headers. Slots hold int32 lengths: the kernel
+headers and resets it for the next batch. Slots hold int32 lengths: the kernel
 narrows a KJT's wider lengths as it reads them, which spares the step a copy of its own.
 
 Buffers:

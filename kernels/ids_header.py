@@ -17,7 +17,7 @@ the ids against the whole tables, then routes them bucketed by row block. The
 problem's detail is read from the checked one.
 
 Buffers:
-    verdict:         int64 [2]           see ``ids_check``
+    verdict:         int64 [2]           in/out: see ``ids_check``; reset to ``NONE``
     values:          int64 [n_ids]       the routed KJT's ids
     offsets:         int  [F * batch + 1] the routed KJT's offsets
     check_values:    int64 [n_ids]       the checked KJT's ids
@@ -103,6 +103,11 @@ def ids_header_kernel(
 
     bad_pos = tl.load(verdict_ptr)
     negative_pos = tl.load(verdict_ptr + 1)
+    # Left clean for the next batch: the verdict is reused (one warp: every thread has
+    # read it before any writes).
+    tl.debug_barrier()
+    tl.store(verdict_ptr, NONE)
+    tl.store(verdict_ptr + 1, NONE)
     feature = num_check_features * 0
     for f in range(num_check_features):
         feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)

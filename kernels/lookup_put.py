@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
-from torchrec_pgas.kernels.launch import Launcher, cdiv
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
@@ -54,6 +54,8 @@ NUM_WARPS = 2
 #: Rows of a bag loaded at once: 8 and 16 were 1.1x to 1.4x slower than 4 on one H200
 #: (R1's owner side, dims 32 to 256, 1 to 100 ids per bag): register pressure.
 ROWS = 4
+#: Earlier features whose ids a program counts at once, at most (to find its bags' ids).
+MAX_FEATURES = 32
 
 
 
@@ -112,6 +114,7 @@ def lookup_put_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    FEATURES: tl.constexpr,
 ):
     # Blocks of bags on the first axis: the others take at most 65535 programs.
     blk = tl.program_id(0)
@@ -124,11 +127,15 @@ def lookup_put_kernel(
     if ok & (free_target > 0):
         ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
     if ok:
-        # Where feature f's ids start in the slot: after the earlier features' ids.
+        # Where feature f's ids start in the slot: after the earlier features' ids,
+        # FEATURES of them read at once (one at a time, each waited on the last).
         first = batch - batch
-        for g in range(0, f):
+        for g0 in range(0, f, FEATURES):
+            g = g0 + tl.arange(0, FEATURES)
             g_bag = (g * S + s).to(tl.int64) * batch_capacity
-            first += tl.load(offsets_ptr + g_bag + batch_capacity) - tl.load(offsets_ptr + g_bag)
+            earlier = g < f
+            ends = tl.load(offsets_ptr + g_bag + batch_capacity, mask=earlier, other=0)
+            first += tl.sum(ends - tl.load(offsets_ptr + g_bag, mask=earlier, other=0))
         seg = (f * S + s).to(tl.int64) * batch_capacity
         rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < batch
@@ -215,7 +222,8 @@ def lookup_put(
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
         pitch, launch * F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
         HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), OUT_ALIGN=4 * out_like.element_size(), COUNT_B=COUNT_B,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, num_warps=NUM_WARPS,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, FEATURES=min(next_power_of_2(F), MAX_FEATURES),
+        num_warps=NUM_WARPS,
     )
 
 

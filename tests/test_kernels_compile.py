@@ -120,9 +120,9 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
          "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
          "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "ROW_ALIGN": "constexpr",
          "OUT_ALIGN": "constexpr", "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
-         "ROWS": "constexpr"},
+         "ROWS": "constexpr", "FEATURES": "constexpr"},
         [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "OUT_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": lookup_put.BLOCK_B,
-          "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS} for w in (True, False)],
+          "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS, "FEATURES": n} for w, n in ((True, 1), (False, 32))],
     )
 
 

@@ -30,12 +30,13 @@ kernels, so the host only enqueues a handful of launches per step:
 import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from triton.runtime.driver import driver
 
 from torchrec_pgas.kernels.bag_offsets import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
@@ -163,6 +164,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._tables = torch.empty(0, 4, dtype=torch.int64, device=self._dev)
         # The ids step whose slots a pending ``lookup_put`` still reads.
         self._held: Optional[int] = None
+        self._verdicts: Dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- set-up
 
@@ -265,7 +267,7 @@ class DeviceTwExchange(BaseTwExchange):
         # Fresh per send: the caching allocator keeps them stream-safe, should sends
         # come from several streams (a training and an evaluation pipeline).
         world = self._t.world_size
-        verdict = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
+        verdict = self._verdict()
         headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
         chunks = torch.empty(world, 3 * self._runs.size(1) + 1, 3, dtype=torch.int64, device=self._dev)
         if problem is None:
@@ -281,6 +283,16 @@ class DeviceTwExchange(BaseTwExchange):
         )
         self._my_batches.append(batch if batch <= layout.batch_capacity else 0)
         return step
+
+    def _verdict(self) -> torch.Tensor:
+        """The current stream's verdict words for ``ids_check``, which the ``ids_header``
+        of the stream's last send left at ``NONE`` (one fill, not one per step). One per
+        stream: sends may come from several."""
+        stream = driver.active.get_current_stream(self._dev.index)
+        verdict = self._verdicts.get(stream)
+        if verdict is None:
+            verdict = self._verdicts[stream] = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
+        return verdict
 
     def _route(
         self, kjt: KeyedJaggedTensor, values: torch.Tensor, offsets: torch.Tensor,
