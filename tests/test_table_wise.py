@@ -10,6 +10,8 @@ import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
+from torchrec.distributed.types import LazyAwaitable
 
 from dist_utils import (
     assert_close_to_reference,
@@ -86,16 +88,23 @@ def _direct_steps(rank, world_size):
     torchrec_steps, tracked = [], []
     compute = sharded.compute_and_output_dist
     sharded.compute_and_output_dist = lambda *a: torchrec_steps.append(1) or compute(*a)
-    for step in range(4):
+    for step in range(5):
         if step == 3:  # a hook of TorchRec's own steps: the forward takes them again
             sharded.post_lookup_tracker_fn = lambda features, embs, module, _: tracked.append(embs.shape)
+        if step == 4:  # so does a hook on a dist, which the direct steps do not call
+            sharded.post_lookup_tracker_fn = None
+            sharded._output_dists[0].register_forward_hook(lambda *_: tracked.append("dist"))
         kjt = random_kjt(tables, 4 + rank - step % 2, 10 * step + rank)
         for grad_mode in (torch.no_grad(), torch.enable_grad()):
             with grad_mode:
+                out = pgas.module.ebc(kjt)
+                # TorchRec's output type, indexed lazily as TorchRec's is.
+                assert isinstance(out, EmbeddingBagCollectionAwaitable)
+                assert isinstance(out["f0"], LazyAwaitable) and not isinstance(out["f0"], torch.Tensor)
                 assert_same_kt(pgas(kjt), tw(kjt), exact=True)
         # The first batch decides, in TorchRec's steps, that batches go straight through.
-        assert len(torchrec_steps) == {0: 1, 1: 1, 2: 1, 3: 3}[step], step
-    assert len(tracked) == 2
+        assert len(torchrec_steps) == {0: 1, 1: 1, 2: 1, 3: 5, 4: 9}[step], step
+    assert tracked.count("dist") == 4 and len(tracked) == 8
 
 
 def test_forward_skips_torchrec_steps_unless_their_hooks_are_set():

@@ -11,6 +11,7 @@ from torchrec.distributed.embedding_sharding import (
     KJTListSplitsAwaitable,
 )
 from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionAwaitable,
     EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -19,7 +20,7 @@ from torchrec.distributed.memory_stashing import MemoryStashingManager
 from torchrec.distributed.types import (
     Awaitable,
     LazyAwaitable,
-    LazyNoWait,
+    NoWait,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -103,28 +104,30 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         context and chain of awaitables: at R1 on GPUs their host time was a sixth of
         the step, which is the host's time."""
         if len(input) == 1 and not kwargs and self._steps_directly(input[0]):
-            features = input[0]
             lookup = self._lookups[0]
-            embs = lookup(self._input_dists[0].send_and_receive(features))
+            embs = lookup(self._input_dists[0].send_and_receive(input[0]))
             lookup.wait_for_forward()
-            return LazyNoWait(
-                KeyedTensor(
-                    keys=self._embedding_names,
-                    length_per_key=self._embedding_dims,
-                    values=self._output_dists[0].pooled(embs),
-                    key_dim=1,
-                )
+            # TorchRec's own output type: callers test for it, and index it lazily.
+            return EmbeddingBagCollectionAwaitable(
+                awaitables=[NoWait(self._output_dists[0].pooled(embs))],
+                embedding_dims=self._embedding_dims,
+                embedding_names=self._embedding_names,
+                module_fqn=self._module_fqn,
+                sharding_types=self._sharding_types,
             )
         return super().forward(*input, **kwargs)
 
     def _steps_directly(self, features: Any) -> bool:
         """Whether ``forward`` may skip TorchRec's steps for this batch: batches go to
         the sharding as they are (decided on the first), and nothing TorchRec's
-        ``compute_and_output_dist`` would add is in use (trackers, weight stashing,
-        resharding awaitables; variable batch sizes, which the exchange refuses)."""
+        steps would add is in use (hooks on the input and output dists, which the
+        direct steps do not call as modules; trackers, weight stashing, resharding
+        awaitables; variable batch sizes, which the exchange refuses)."""
+        dists = (self._input_dists[0], self._output_dists[0]) if self._pgas_direct else ()
         return (
             self._pgas_direct is True
             and isinstance(features, KeyedJaggedTensor)
+            and not any(d._forward_hooks or d._forward_pre_hooks for d in dists)
             and not features.variable_stride_per_key()
             and getattr(self, "post_lookup_tracker_fn", None) is None
             and getattr(self, "post_odist_tracker_fn", None) is None

@@ -65,7 +65,9 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
 
     def send_and_receive(self, sparse_features: KeyedJaggedTensor) -> Any:
         """``forward`` and both waits in one call: this rank's lookup input."""
-        return self._exchange.recv_ids(self._exchange.send_ids(sparse_features))
+        with torch.no_grad():  # as TorchRec's input dists run
+            step = self._exchange.send_ids(sparse_features)
+        return self._exchange.recv_ids(step)
 
 
 class _ExchangePooled(torch.autograd.Function):

@@ -238,9 +238,10 @@ class DeviceTwExchange(BaseTwExchange):
             # The kernels would read weights the slots do not hold.
             problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,))
         else:
-            values = values.to(torch.int64)
-            weights = weights.to(torch.float32) if weights is not None else None
-        lengths, offsets = kjt.lengths(), kjt.offsets()
+            # The kernels read raw pointers: dense tensors of the slots' dtypes.
+            values = values.to(torch.int64).contiguous()
+            weights = weights.to(torch.float32).contiguous() if weights is not None else None
+        lengths, offsets = kjt.lengths().contiguous(), kjt.offsets().contiguous()
         checked = (values, offsets, lengths)
         # Slots hold int32 lengths; ids_check narrows wider ones as it checks them.
         narrowed = None
