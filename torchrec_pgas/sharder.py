@@ -123,11 +123,10 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         steps would add is in use (hooks on the input and output dists, which the
         direct steps do not call as modules; trackers, weight stashing, resharding
         awaitables; variable batch sizes, which the exchange refuses)."""
-        dists = (self._input_dists[0], self._output_dists[0]) if self._pgas_direct else ()
+        if self._pgas_direct is not True or not isinstance(features, KeyedJaggedTensor):
+            return False
         return (
-            self._pgas_direct is True
-            and isinstance(features, KeyedJaggedTensor)
-            and not any(d._forward_hooks or d._forward_pre_hooks for d in dists)
+            not any(d._forward_hooks or d._forward_pre_hooks for d in (self._input_dists[0], self._output_dists[0]))
             and not features.variable_stride_per_key()
             and getattr(self, "post_lookup_tracker_fn", None) is None
             and getattr(self, "post_odist_tracker_fn", None) is None

@@ -165,6 +165,9 @@ class DeviceTwExchange(BaseTwExchange):
         # The ids step whose slots a pending ``lookup_put`` still reads.
         self._held: Optional[int] = None
         self._verdicts: Dict[int, torch.Tensor] = {}
+        # A step's record (``DeviceRoute.record``): every source's header, then the
+        # error record from this word on.
+        self._err_at = transport.world_size * HEADER_WORDS
 
     # ----------------------------------------------------------------- set-up
 
@@ -335,7 +338,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
         slots = self._slot_views[step % DEFAULT_DEPTH]
-        record = torch.empty(world * HEADER_WORDS + self._t.err.numel(), dtype=torch.int64, device=self._dev)
+        record = torch.empty(self._err_at + self._t.err.numel(), dtype=torch.int64, device=self._dev)
         features = len(self._features_per_rank[self._me])
         offsets = bag_offsets(
             slots, features, layout, record, self._ids_ready, arrived(step), self._t.err, self._t.timeout_ns
@@ -454,7 +457,7 @@ class DeviceTwExchange(BaseTwExchange):
         (then the copy of the error record to the end of ``record``, if given)."""
         signal_wait(
             sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns,
-            record, self._t.world_size * HEADER_WORDS,
+            record, self._err_at,
         )
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
@@ -483,7 +486,7 @@ class DeviceTwExchange(BaseTwExchange):
             if self._dims[me] > 0:
                 rows_put(
                     local_embs.detach().to(self._out_dtype).contiguous(),
-                    route.record[1 : self._t.world_size * HEADER_WORDS : HEADER_WORDS],
+                    route.record[1 : self._err_at : HEADER_WORDS],
                     self._out_addrs[step % DEFAULT_DEPTH],
                     self._my_counts,
                     self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
@@ -505,7 +508,7 @@ class DeviceTwExchange(BaseTwExchange):
         """Raises what the step's headers or the device-side waits report (one sync)."""
         record = step_record.tolist()
         n = HEADER_WORDS
-        if record[self._t.world_size * n]:  # the error record's code word
+        if record[self._err_at]:  # the error record's code word
             self._t.check(self._name)
         self._raise_for_bad_headers(
             [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)],
