@@ -2,6 +2,7 @@
 two CPU processes that writes its JSON, markdown and plot. Speed itself is shown by
 running the suite, never by a test."""
 
+import itertools
 import json
 import math
 import os
@@ -66,7 +67,7 @@ def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
     for s in ("pgas_table_wise", "table_wise"):
         with open(os.path.join(out, f"cprofile_{s}_forward.txt")) as f:
             assert "Ordered by: cumulative time" in f.read()
-        assert os.path.getsize(os.path.join(out, f"torch_profile_{s}.txt")) > 0
-        for rank in (0, 1):
-            with open(os.path.join(out, f"torch_profile_{s}_rank{rank}.json")) as f:
-                assert json.load(f)["traceEvents"], (s, rank)
+        for step, rank in itertools.product(("forward", "train_step"), (0, 1)):
+            assert os.path.getsize(os.path.join(out, f"torch_profile_{s}_{step}.txt")) > 0
+            with open(os.path.join(out, f"torch_profile_{s}_{step}_rank{rank}.json")) as f:
+                assert json.load(f)["traceEvents"], (s, step, rank)

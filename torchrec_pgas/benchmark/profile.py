@@ -8,8 +8,8 @@ median of the forward (inference) and of the training step, timed three ways (CU
 events or the host clock around one call; the host time of the call alone; back to
 back without barriers), then on rank 0 a cProfile of 30 calls of each
 (``OUT/cprofile_<sharding>_<step>.txt``, by own time and by cumulative time) and a
-``torch.profiler`` table of 5 forwards (``OUT/torch_profile_<sharding>.txt``), with every
-rank's timeline of them (``OUT/torch_profile_<sharding>_rank<r>.json``).
+``torch.profiler`` table of 5 calls of each (``OUT/torch_profile_<sharding>_<step>.txt``),
+with every rank's timeline of them (``OUT/torch_profile_<sharding>_<step>_rank<r>.json``).
 """
 
 import argparse
@@ -122,7 +122,7 @@ def main() -> None:
             t = _times(fn, args.iters, device)
             lines.append(f"{sharding:18} {name:11} " + "  ".join(f"{k} {v:.3f}" for k, v in t.items()))
             _cprofile(fn, device, os.path.join(args.out, f"cprofile_{sharding}_{name}.txt"))
-        _torch_profile(forward, device, os.path.join(args.out, f"torch_profile_{sharding}.txt"))
+            _torch_profile(fn, device, os.path.join(args.out, f"torch_profile_{sharding}_{name}.txt"))
     if rank == 0:
         print(f"{cfg.label()}; median of {args.iters}, slowest rank")
         print("\n".join(lines))
