@@ -5,19 +5,24 @@ stream, binding and specializing the arguments, the cache key, the check of glob
 values, launch metadata) before it calls the compiled kernel's launcher. A PGAS step
 launches about ten kernels, and at R1 the step time is the host's time.
 
-``Launcher`` keeps Triton's own specialization of the arguments (its binder, a native
-function), and sends a launch whose specialization it has seen straight to that
-compiled kernel's launcher. The first launch of each specialization goes through
-Triton, which compiles the kernel and runs its post-compile hooks (the NVSHMEM
-transport registers the kernel's module there). Under Triton's interpreter, or with
-launch or pre-run hooks set (profilers), every launch goes through Triton. Grids are
-tuples of ints (no callables), and globals the kernels read must not change.
+``Launcher`` sends a launch whose specialization it has seen straight to that compiled
+kernel's launcher. It finds the specialization without Triton's binder where it can:
+a parameter annotated with a type and listed in ``do_not_specialize`` always
+specializes the same way (``("i64", None)``), so only the others (pointers, and ints
+that are specialized) are specialized per launch, by Triton's own native function, and
+the launch is keyed on those, the constexprs and the options. The first launch of each
+specialization goes through Triton, which compiles the kernel and runs its post-compile
+hooks (the NVSHMEM transport registers the kernel's module there). Under Triton's
+interpreter, or with launch or pre-run hooks set (profilers), every launch goes through
+Triton. Grids are tuples of ints (no callables), and globals the kernels read must not
+change.
 """
 
 import functools
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
 from triton.runtime.driver import driver
 
 
@@ -36,12 +41,37 @@ def _frozen(value: Any) -> Any:
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
+def _options_key(kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    key = tuple(kwargs.items())
+    try:
+        hash(key)
+    except TypeError:  # a dict option (``extern_libs``)
+        key = tuple((k, _frozen(v)) for k, v in kwargs.items())
+    return key
+
+
+def _fixed(param: Any) -> bool:
+    """Whether Triton's binder specializes ``param`` the same way whatever its value."""
+    ty = param.annotation_type
+    return bool(ty) and (param.do_not_specialize or ty == "u1" or ty[:2] in ("fp", "bf"))
+
+
 class Launcher:
     """``Launcher(kernel)[grid](*args, **kwargs)`` launches as ``kernel[grid](...)`` does."""
 
     def __init__(self, kernel: Any) -> None:
         self._kernel = kernel
         self._compiled: Dict[Tuple[Any, ...], Any] = {}
+        # Launches keyed without the binder: the launch and its constexprs' values.
+        self._keyed: Dict[Tuple[Any, ...], Tuple[Callable[..., None], Tuple[Any, ...]]] = {}
+        params = getattr(kernel, "params", [])
+        runtime = [p for p in params if not p.is_constexpr]
+        # Only launches that pass every runtime parameter positionally, constexprs last.
+        self._positional: Optional[int] = len(runtime) if params[: len(runtime)] == runtime else None
+        self._loose = tuple(
+            (p.num, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            for p in runtime if not _fixed(p)
+        )
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
         return functools.partial(self._launch, grid)
@@ -55,8 +85,21 @@ class Launcher:
             kernel[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        keyed = None
+        if len(args) == self._positional and device in caches:
+            backend = caches[device][3]
+            # Triton's key also holds the two knobs it adds to the options on every launch.
+            keyed = (
+                device, tuple([native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._loose]),
+                _options_key(kwargs), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            )
+            hit = self._keyed.get(keyed)
+            if hit is not None:
+                launch, constexprs = hit
+                launch(g0, g1, g2, driver.active.get_current_stream(device), *args, *constexprs)
+                return
         bound, specialization, options = caches[device][4](*args, **kwargs)
-        # Triton's key also holds the two knobs it adds to the options on every launch.
         key = (
             device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()),
             knobs.runtime.debug, knobs.compilation.instrumentation_mode,
@@ -65,7 +108,8 @@ class Launcher:
         if launch is None:
             self._compiled[key] = _direct(kernel[grid](*args, **kwargs))
             return
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        if keyed is not None:
+            self._keyed[keyed] = (launch, tuple(bound.values())[len(args):])
         launch(g0, g1, g2, driver.active.get_current_stream(device), *bound.values())
 
 

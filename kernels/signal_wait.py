@@ -24,7 +24,18 @@ from torchrec_pgas.kernels.signals import wait_ge
 
 
 @triton.jit(do_not_specialize=["num_peers", "target", "what", "timeout_ns", "at"])
-def signal_wait_kernel(sig_ptr, peers_ptr, err_ptr, record_ptr, num_peers, target, what, timeout_ns, at, COPY: tl.constexpr):
+def signal_wait_kernel(
+    sig_ptr,
+    peers_ptr,
+    err_ptr,
+    record_ptr,
+    num_peers: tl.int64,
+    target: tl.int64,
+    what: tl.int64,
+    timeout_ns: tl.int64,
+    at: tl.int64,
+    COPY: tl.constexpr,
+):
     ok = num_peers >= 0
     for i in range(num_peers):
         if ok:

@@ -126,11 +126,16 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
     )
 
 
+def _signature(fn, given):
+    """``given``, with the types the kernel declares (what every launch compiles)."""
+    return {**given, **{p.name: p.annotation_type for p in fn.params if p.annotation_type and not p.is_constexpr}}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_compiles_for_sm90_with_nvshmem(name):
     fn, signature, constexpr_sets = CASES[name]
     for constexprs in constexpr_sets:
-        src = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs))
+        src = ASTSource(fn=fn, signature=_signature(fn, signature), constexprs=dict(constexprs))
         compiled = triton.compile(
             src,
             target=GPUTarget("cuda", 90, 32),
@@ -140,9 +145,18 @@ def test_kernel_compiles_for_sm90_with_nvshmem(name):
         assert "ptx" in compiled.asm
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unspecialized_ints_are_typed(name):
+    """``Launcher`` keys a launch without Triton's binder only on parameters whose
+    specialization can change: an int Triton does not specialize must say its type."""
+    fn = CASES[name][0]
+    untyped = [p.name for p in fn.params if p.do_not_specialize and p.annotation_type != "i64"]
+    assert not untyped, untyped
+
+
 def _ptx(name, constexprs, num_warps, attrs=None):
     fn, signature, _ = CASES[name]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs or {})
+    src = ASTSource(fn=fn, signature=_signature(fn, signature), constexprs=constexprs, attrs=attrs or {})
     options = {"extern_libs": (("libnvshmem_device", _bitcode()),), "num_warps": num_warps}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 

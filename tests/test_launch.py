@@ -76,6 +76,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(jit.JITFunction, "run", counted_run)
     monkeypatch.setattr(driver, "_active", _Driver())
     _kernel.device_caches.clear()
+    _typed_kernel.device_caches.clear()
     return launches
 
 
@@ -110,6 +111,49 @@ def test_launches_are_triton_launches(launches):
             launcher[(3, 2)](*args, **kwargs)
         # The first launch through Triton (the variant's compile), then direct ones.
         assert launches[2:] == [("through Triton", None), expected, expected, expected], (args, kwargs)
+
+
+@triton.jit(do_not_specialize=["n", "m"])
+def _typed_kernel(x_ptr, n: tl.int64, a, m: tl.int64, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0):
+    pass
+
+
+TYPED_CALLS = [
+    ((_Pointer(1024), 5, 1, 7), dict(BLOCK=64)),
+    ((_Pointer(1024), 2**40, 1, -3), dict(BLOCK=64)),  # the typed ints: the same variant
+    ((_Pointer(1032), 5, 1, 7), dict(BLOCK=64)),  # x not 16-byte aligned
+    ((_Pointer(1024), 5, 16, 7), dict(BLOCK=64)),  # a specialized otherwise
+    ((_Pointer(1024, torch.int64), 5, 1, 7), dict(BLOCK=64)),
+    ((_Pointer(1024), 5, 1, 7), dict(BLOCK=64, FLAG=2)),
+    ((_Pointer(1024), 5, 1, 7), dict(BLOCK=64, num_warps=8)),
+    ((_Pointer(1024), 5, 1, 7), dict(BLOCK=64, extern_libs={"lib": "/x.bc"})),
+]
+
+
+def test_launches_keyed_without_the_binder_are_triton_launches(launches):
+    """A kernel whose ints are typed and unspecialized: once a specialization has been
+    launched, launches of it skip Triton's binder, and reach the C launcher exactly as
+    Triton's own launches do, with the variant Triton picks."""
+    launcher, through = Launcher(_typed_kernel), ("through Triton", None)
+    variants = []
+    for args, kwargs in TYPED_CALLS:
+        launches.clear()
+        _typed_kernel[(3, 2)](*args, **kwargs)
+        expected = launches[-1]
+        variants.append(expected[0])
+        cache, keys, target, backend, binder = _typed_kernel.device_caches[0]
+        binds = []
+        _typed_kernel.device_caches[0] = (cache, keys, target, backend, lambda *a, **k: binds.append(1) or binder(*a, **k))
+        counts = []
+        for _ in range(4):
+            launcher[(3, 2)](*args, **kwargs)
+            counts.append(len(binds))
+        _typed_kernel.device_caches[0] = (cache, keys, target, backend, binder)
+        ours = launches[2:]
+        assert ours in ([expected] * 4, [through] + [expected] * 4), (args, kwargs)
+        assert counts[1] == counts[3], (args, kwargs)  # from the third launch on, no binder
+    # The typed ints take no variant of their own; every other change does.
+    assert variants[0] == variants[1] and len(set(variants[1:])) == len(variants) - 1, variants
 
 
 def test_kernels_with_scratch_memory_get_it(launches, monkeypatch):

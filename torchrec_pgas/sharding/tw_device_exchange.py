@@ -30,7 +30,7 @@ kernels, so the host only enqueues a handful of launches per step:
 import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,12 @@ class DeviceRoute:
     divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
 
 
+class _SendScratch(NamedTuple):
+    verdict: torch.Tensor  # int64 [2], see ``ids_check``
+    headers: torch.Tensor  # int64 [W, 8], see ``ids_header``
+    chunks: torch.Tensor  # int64 [W, 3R + 1, 3], see ``ids_header``
+
+
 class _Symmetric:
     """A symmetric tensor with the addresses of every rank's copy."""
 
@@ -164,7 +170,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._tables = torch.empty(0, 4, dtype=torch.int64, device=self._dev)
         # The ids step whose slots a pending ``lookup_put`` still reads.
         self._held: Optional[int] = None
-        self._verdicts: Dict[int, torch.Tensor] = {}
+        self._scratch: Dict[int, _SendScratch] = {}
         # A step's record (``DeviceRoute.record``): every source's header, then the
         # error record from this word on.
         self._err_at = transport.world_size * HEADER_WORDS
@@ -199,6 +205,8 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads_ready = t._tensor((world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
         self._done = done_counters(world, layout, self._dev)
+        # The lookup output of a step whose rows ``lookup_put`` put (none).
+        self._no_rows = torch.empty(0, self._dims[self._me], dtype=self._out_dtype, device=self._dev)
         # Per-step constants, built once: every small tensor op is host time on the
         # critical path of a step.
         mine = self._my_out_block * rows * self._dim_total * self._elem
@@ -268,12 +276,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._make_room()
         self._send_step += 1
         step = self._send_step
-        # Fresh per send: the caching allocator keeps them stream-safe, should sends
-        # come from several streams (a training and an evaluation pipeline).
-        world = self._t.world_size
-        verdict = self._verdict()
-        headers = torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev)
-        chunks = torch.empty(world, 3 * self._runs.size(1) + 1, 3, dtype=torch.int64, device=self._dev)
+        verdict, headers, chunks = self._send_scratch()
         if problem is None:
             ids_check(*checked, self._num_rows, verdict, batch, narrowed)
         ids_header(
@@ -288,15 +291,22 @@ class DeviceTwExchange(BaseTwExchange):
         self._my_batches.append(batch if batch <= layout.batch_capacity else 0)
         return step
 
-    def _verdict(self) -> torch.Tensor:
-        """The current stream's verdict words for ``ids_check``, which the ``ids_header``
-        of the stream's last send left at ``NONE`` (one fill, not one per step). One per
-        stream: sends may come from several."""
+    def _send_scratch(self) -> "_SendScratch":
+        """The current stream's buffers for a send: each send's kernels are done with
+        them before the next send's on the stream start (one allocation per stream, not
+        per send; sends may come from several streams, such as a training and an
+        evaluation pipeline). The ``ids_header`` of the stream's last send left the
+        verdict at ``NONE``."""
         stream = driver.active.get_current_stream(self._dev.index)
-        verdict = self._verdicts.get(stream)
-        if verdict is None:
-            verdict = self._verdicts[stream] = torch.full((2,), NONE, dtype=torch.int64, device=self._dev)
-        return verdict
+        scratch = self._scratch.get(stream)
+        if scratch is None:
+            world, chunks = self._t.world_size, 3 * self._runs.size(1) + 1
+            scratch = self._scratch[stream] = _SendScratch(
+                verdict=torch.full((2,), NONE, dtype=torch.int64, device=self._dev),
+                headers=torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev),
+                chunks=torch.empty(world, chunks, 3, dtype=torch.int64, device=self._dev),
+            )
+        return scratch
 
     def _route(
         self, kjt: KeyedJaggedTensor, values: torch.Tensor, offsets: torch.Tensor,
@@ -349,7 +359,8 @@ class DeviceTwExchange(BaseTwExchange):
             if self._fused_lookup and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
                 self._held = step
-                batch.pending = lambda b, modules: self._lookup_put(b, modules, route, slots, offsets, step)
+                stream = driver.active.get_current_stream(self._dev.index)
+                batch.pending = lambda b, modules: self._lookup_put(b, modules, route, slots, offsets, step, stream)
                 return attach_route(batch, route)
             batch.groups = self._groups(slots, offsets)
         # Everything is read (stream ordered): release the slots to their sources.
@@ -395,7 +406,7 @@ class DeviceTwExchange(BaseTwExchange):
 
     def _lookup_put(
         self, batch: LookupBatch, emb_modules: Sequence[Any], route: DeviceRoute,
-        slots: torch.Tensor, offsets: torch.Tensor, step: int,
+        slots: torch.Tensor, offsets: torch.Tensor, step: int, stream: int,
     ) -> Optional[torch.Tensor]:
         """Pools every requester's bags from the slots of ``step`` and puts the rows
         (``kernels/lookup_put``); or, under autograd or for tables it cannot read,
@@ -405,8 +416,9 @@ class DeviceTwExchange(BaseTwExchange):
                 f"{self._name}: rank {self._me} looked up a batch whose ids were released "
                 f"(later batches were received, or {DEFAULT_DEPTH} were sent, before its lookup)"
             )
-        # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
-        offsets.record_stream(torch.cuda.current_stream(self._dev))
+        if driver.active.get_current_stream(self._dev.index) != stream:
+            # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
+            offsets.record_stream(torch.cuda.current_stream(self._dev))
         tables = None if torch.is_grad_enabled() else self._table_rows(emb_modules)
         if tables is None:
             batch.groups = self._groups(slots, offsets)
@@ -424,7 +436,7 @@ class DeviceTwExchange(BaseTwExchange):
             )
             self._lookup_puts += 1  # after the launch: a failed one leaves the targets right
             route.put_by_lookup = True
-            out = torch.empty(0, self._dims[self._me], dtype=self._out_dtype, device=self._dev)
+            out = self._no_rows.detach()  # a tensor of its own: it carries the step's route
         self._held = None
         self._signal(self._all, self._ids_free, step)
         return out
