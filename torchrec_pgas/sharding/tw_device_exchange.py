@@ -213,6 +213,10 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        # Each lookup group's first bag, and the end of the last group's bags.
+        features = len(self._features_per_rank[self._me])
+        self._group_bags = [f * world * rows for f in self._group_first + [features]]
+        self._group_bags_dev = torch.tensor(self._group_bags, dtype=torch.int64, device=self._dev)
         self._slot_views = [
             self._ids[self._ids_slot_offset(0, g) : self._ids_slot_offset(world, g)] for g in range(depth)
         ]
@@ -373,12 +377,12 @@ class DeviceTwExchange(BaseTwExchange):
         assert layout is not None
         world, cap = self._t.world_size, layout.batch_capacity
         features = self._features_per_rank[self._me]
-        bags = [f * world * cap for f in self._group_first + [len(features)]]
+        bags = self._group_bags
         # FBGEMM's backward sorts the whole index tensor: under autograd it must
         # hold exactly the batch's ids, the one size this rank then reads back.
         exact = self._exact_always or torch.is_grad_enabled()
         if exact:
-            at = offsets[bags].tolist()
+            at = offsets.index_select(0, self._group_bags_dev).tolist()
         groups = []
         for g, (first, size) in enumerate(zip(self._group_first, self._group_sizes)):
             lo, hi = bags[g], bags[g + 1]
