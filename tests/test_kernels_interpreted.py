@@ -306,19 +306,22 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
         assert chunks[o, :, 2].tolist() == ([F * B * 4, n * 8, 0, 64] if ok else [0, 0, 0, 64]), o
 
 
-def _owner_slots(g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True, max_batch: int = 6):
+def _owner_slots(
+    g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True, max_batch: int = 6, max_len: int = 3
+):
     """The ids slots of one step at an owner of ``F`` features, from ``S`` sources with
-    random batch sizes (one source, at random, reporting a bad batch), and what was
-    sent: per source, its lengths ``[F, batch]``, ids, weights and whether it is OK."""
+    random batch sizes and up to ``max_len`` ids per bag (one source, at random,
+    reporting a bad batch), and what was sent: per source, its lengths ``[F, batch]``,
+    ids, weights and whether it is OK."""
     batches = [rnd.randint(0, max_batch) for _ in range(S)]
     cap = max(batches + [1]) + rnd.randint(0, 2)
-    layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=4 * F * cap)
+    layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=(max_len + 1) * F * cap)
     slots = torch.zeros(S * layout.nbytes, dtype=torch.uint8)
     bad_source = rnd.randrange(S) if rnd.random() < 0.3 else -1
     sent = []
     for s in range(S):
         slot = slots[s * layout.nbytes : (s + 1) * layout.nbytes]
-        lengths = torch.randint(0, 4, (F * batches[s],), generator=g, dtype=torch.int32)
+        lengths = torch.randint(0, max_len + 1, (F * batches[s],), generator=g, dtype=torch.int32)
         ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
         weights = torch.rand(ids.numel(), generator=g)
         status = Status.ID_OUT_OF_RANGE if s == bad_source else Status.OK
@@ -418,7 +421,8 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     S, F = rnd.randint(1, 3), rnd.randint(1, 3)
     weighted = seed % 2 == 1
     # Several blocks of counted rows, and outputs in the tables' dtype or in fp32.
-    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted, max_batch=70)
+    # Bags of several groups of ROWS ids, and empty ones.
+    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted, max_batch=70, max_len=3 * k.lookup_put.ROWS + 1)
     # (bf16 outputs stay out: the interpreter truncates fp32 to bf16, GPUs round to nearest.)
     out_dtype = dtype if seed < 2 and dtype != torch.bfloat16 else torch.float32
     cap = layout.batch_capacity
