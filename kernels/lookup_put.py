@@ -60,20 +60,11 @@ MAX_FEATURES = 32
 
 
 @triton.jit
-def _ids(ids_ptr, j, L, row_ok, ROWS: tl.constexpr):
-    """The ids of rows ``j ... j + ROWS - 1`` of every bag of the tile (0 past a bag's
-    end), one tensor per row."""
-    ids = ()
-    for u in tl.static_range(ROWS):
-        ids = ids + (tl.load(ids_ptr + j + u, mask=row_ok & (j + u < L), other=0),)
-    return ids
-
-
-@triton.jit
-def _row(table, idx, w_ptr, j, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS: tl.constexpr):
-    """Row ``j`` of every bag of the tile, whose id is ``idx`` (zeros past a bag's end),
-    its per-sample weight, and which bags have one."""
+def _row(table, ids_ptr, w_ptr, j, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS: tl.constexpr):
+    """Row ``j`` of every bag of the tile (zeros past a bag's end), its per-sample
+    weight, and which bags have one."""
     take = row_ok & (j < L)
+    idx = tl.load(ids_ptr + j, mask=take, other=0)
     # FBGEMM's dims are multiples of 4: rows start 4-element aligned (vector loads).
     row = tl.multiple_of(idx * dim, 4)
     vals = tl.load(table + row[:, None] + cols[None, :], mask=take[:, None] & col_ok[None, :], other=0.0)
@@ -174,15 +165,11 @@ def lookup_put_kernel(
             col_ok = cols < dim
             acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
             # ROWS rows in flight per bag (their loads do not wait on the sum), added
-            # in id order; the next ROWS ids load meanwhile, so a row's load never
-            # waits on the load of its id.
-            ids = _ids(ids_ptr, 0, L, row_ok, ROWS)
+            # in id order.
             for j in range(0, longest, ROWS):
-                next_ids = _ids(ids_ptr, j + ROWS, L, row_ok, ROWS)
                 for u in tl.static_range(ROWS):
-                    v, w, t = _row(table, ids[u], w_ptr, j + u, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
+                    v, w, t = _row(table, ids_ptr, w_ptr, j + u, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
                     acc = _add(acc, v, w, t, HAS_WEIGHTS)
-                ids = next_ids
             acc = acc * inv_L[:, None]
             tl.store(
                 out + dst_rows[:, None] + cols[None, :],
