@@ -41,7 +41,9 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     with open(os.path.join(out, "results.json")) as f:
-        rows = json.load(f)["rows"]
+        results = json.load(f)
+    rows, host = results["rows"], results["meta"]["host"]
+    assert host["cpu"] and 0 < host["alloc_us"] < 1e4  # what moves the ratios between machines
     assert [(r["scenario"], r["config"]["ranks"]) for r in rows] == [
         ("r1", 2), ("weak", 1), ("weak", 2), ("zipf", 2), ("large_tables", 2)
     ]
@@ -52,6 +54,7 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     assert all(r["ours"][k] > 0 and r["baseline"][k] > 0 for r in rows for k in ("forward_ms", "dlrm_ms", "train_ms"))
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
+    assert f"{host['alloc_us']:.1f} us per small allocation" in table.splitlines()[0]
     assert os.path.getsize(os.path.join(out, "speedup.png")) > 0
 
 

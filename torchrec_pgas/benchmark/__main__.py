@@ -130,7 +130,7 @@ def main() -> None:
             print(f"left out (launch with fewer GPUs for them): {', '.join(fewer)}", flush=True)
     hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
     meta = {
-        "hardware": hardware, "iters": args.iters, "rounds": args.rounds,
+        "hardware": hardware, "host": timing.host(device), "iters": args.iters, "rounds": args.rounds,
         "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:]),
     }
     for i, (name, cfg) in enumerate(tqdm(work, desc="configurations", disable=rank != 0)):

@@ -78,7 +78,9 @@ def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str, show: 
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     rounds = f", median of {meta['rounds']} alternating rounds" if meta.get("rounds", 1) > 1 else ""
-    table = markdown(rows, f"{meta['hardware']}; median of {meta['iters']} iterations{rounds}; `{meta['command']}`")
+    host = meta.get("host")
+    on = f" (host {host['cpu']}, {host['alloc_us']:.1f} us per small allocation)" if host else ""
+    table = markdown(rows, f"{meta['hardware']}{on}; median of {meta['iters']} iterations{rounds}; `{meta['command']}`")
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table)
     plot(rows, os.path.join(out_dir, "speedup.png"))
