@@ -77,7 +77,7 @@ def bag_offsets_kernel(
     if (f == 0) & (s == 0) & (blk == 0):
         words = tl.arange(0, WORDS)
         for q in range(num_sources):
-            header = (slots_ptr + slot_bytes.to(tl.int64) * q).to(tl.pointer_type(tl.int64), bitcast=True)
+            header = (slots_ptr + slot_bytes * q).to(tl.pointer_type(tl.int64), bitcast=True)
             tl.store(record_ptr + q * WORDS + words, tl.load(header + words))
         tl.store(offsets_ptr, 0)
     slot = slots_ptr + s.to(tl.int64) * slot_bytes

@@ -60,7 +60,7 @@ def gather_ids_kernel(
     for g in range(0, f):
         g_bag = (g * S + s).to(tl.int64) * batch_capacity
         first += tl.load(offsets_ptr + g_bag + batch_capacity) - tl.load(offsets_ptr + g_bag)
-    dst = start - tl.load(offsets_ptr + first_feature.to(tl.int64) * S * batch_capacity)
+    dst = start - tl.load(offsets_ptr + first_feature * S * batch_capacity)
     share = tl.cdiv(n, SPLIT)
     lo = c * share
     hi = tl.minimum(lo + share, n)

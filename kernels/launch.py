@@ -101,7 +101,7 @@ class Launcher:
                 return
         bound, specialization, options = caches[device][4](*args, **kwargs)
         key = (
-            device, tuple(specialization), tuple((k, _frozen(v)) for k, v in options.items()),
+            device, tuple(specialization), _options_key(options),
             knobs.runtime.debug, knobs.compilation.instrumentation_mode,
         )
         launch = self._compiled.get(key)

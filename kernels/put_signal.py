@@ -56,7 +56,7 @@ def put_signal_kernel(
     p = tl.program_id(0)
     j = tl.program_id(1)
     peer = tl.load(peers_ptr + p)
-    sig = ready_base + me.to(tl.int64) * 8
+    sig = ready_base + me * 8
     ok = True
     if free_target > 0:
         ok = wait_ge(free_ptr + peer, free_target, timeout_ns, err_ptr, peer, WAIT_SLOT_FREE)

@@ -13,10 +13,11 @@ kernels, so the host only enqueues a handful of launches per step:
 * ``recv_ids``: one launch (``bag_offsets``) waits for every source's slot, keeps the
   step's headers and lays the lookup batch out with a fixed number of bags: bag
   ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``, bags past a
-  source's batch size empty; ``gather_ids`` copies the ids into place. Under autograd the index tensor must hold exactly the batch's ids
-  (FBGEMM's backward sorts all of it), which costs one read-back; without autograd it
-  has the slots' capacity and FBGEMM reads only what the offsets cover (its bounds
-  check is off: sources have checked every id).
+  source's batch size empty; ``gather_ids`` copies the ids into place. Under autograd
+  the index tensor must hold exactly the batch's ids (FBGEMM's backward sorts all of
+  it), which costs one read-back; without autograd it has the slots' capacity and
+  FBGEMM reads only what the offsets cover (its bounds check is off: sources have
+  checked every id).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output (peer mapping) and counts them in; the requester waits for its count (the
   wait copies the transport's error record next to the step's headers), copies its
