@@ -10,9 +10,13 @@ starting at zero (``fma(row, weight, acc)`` with per-sample weights), and the su
 multiplied by ``1 / L`` (mean) or 1 (sum) before the cast to the output dtype.
 
 A requester counts one arrival per block of ``COUNT_B`` rows of each owner, as for
-``rows_put``: the programs of a block tick ``done``, and the last of them (``done``
-reaches ``done_target``) adds one to the requester's counter, with release semantics
-at system scope, after every program's rows are visible.
+``rows_put``: the programs of a block that holds rows tick ``done`` (acquire-release at
+GPU scope: they all run on this GPU), and the last of them (``done`` reaches
+``done_target``) resets it for the next launch and adds one to the requester's counter
+with release semantics at system scope. Release is cumulative, so that count publishes
+the rows every program of the block stored. Programs of blocks past the requester's
+batch (half the grid with the default headroom) return at once: a system-scope tick
+per program, idle ones included, made the kernel 1.16x slower on one H200 at R1.
 
 Buffers:
     slots:     uint8, this step's generation of the ids mailbox: S slots of
@@ -31,8 +35,8 @@ Buffers:
                (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a multiple
                of 4), through the peer mapping
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
-    done:      int64 [S, cdiv(batch_capacity, COUNT_B)]  programs finished per block of
-               ``COUNT_B`` rows, over all steps (never reset)
+    done:      int64 [S, cdiv(batch_capacity, COUNT_B)]  programs of this launch finished
+               per block of ``COUNT_B`` rows (zero between launches)
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
     err:       int64 [4]  error record (see ``signals.py``)
 """
@@ -176,17 +180,17 @@ def lookup_put_kernel(
                 acc.to(out_like_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
-    # Requesters count blocks of COUNT_B rows. Every program ticks its block, also one
-    # past its requester's batch, so the target stays fixed per launch; the last one
-    # counts the block in if it holds rows, once every program's rows are visible.
-    tl.debug_barrier()
     block = blk // (COUNT_B // BLOCK_B)
-    done = tl.atomic_add(done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block, 1, sem="acq_rel", scope="sys")
-    if (done + 1 == done_target) & (block * COUNT_B < batch):
-        # Not after a program of the block timed out: the requester must time out too
-        # rather than read rows that were never stored.
-        if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
-            count_in(cnt_addrs_ptr, s)
+    if block * COUNT_B < batch:
+        # Every thread's stores are issued before the tick.
+        tl.debug_barrier()
+        cell = done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block
+        if tl.atomic_add(cell, 1, sem="acq_rel", scope="gpu") + 1 == done_target:
+            tl.atomic_xchg(cell, 0, sem="relaxed", scope="gpu")
+            # Not after a program of the block timed out: the requester must time out
+            # too rather than read rows that were never stored.
+            if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
+                count_in(cnt_addrs_ptr, s)
 
 
 _launcher = Launcher(lookup_put_kernel)
@@ -205,13 +209,12 @@ def lookup_put(
     err: torch.Tensor,
     layout: IdsSlotLayout,
     pitch: int,
-    launch: int,
     has_weights: bool,
     free_target: int,
     timeout_ns: int,
 ) -> None:
     """Launches ``(cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, S, F)`` programs (see the module
-    docstring); ``launch`` counts this launch and the ones before it on ``done``."""
+    docstring)."""
     S, F = out_addrs.numel(), features.size(0)
     if F == 0:
         return
@@ -220,7 +223,7 @@ def lookup_put(
     _launcher[grid](
         slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
         layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
-        pitch, launch * F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
+        pitch, F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
         HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), OUT_ALIGN=4 * out_like.element_size(), COUNT_B=COUNT_B,
         BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, FEATURES=min(next_power_of_2(F), MAX_FEATURES),
         num_warps=NUM_WARPS,

@@ -196,9 +196,9 @@ def test_gpu_row_wise_matches_torchrec_row_wise(pooling, weighted, optimizer):
     run_ranks(_row_wise, 2, backend="nccl", pooling=pooling, weighted=weighted, optimizer=optimizer)
 
 
-def _train(rank, world_size, optimizer):
+def _train(rank, world_size, optimizer, owners):
     dev = torch.device("cuda", rank)
-    owners, batch_sizes = [0, 1, 1, 0, 1], [48, 29]
+    batch_sizes = [48, 29]
     tables = make_tables(len(owners), seed=5)
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
     ref, pgas, tw = _models(rank, world_size, tables, owners, False, fused=fused, seed=5)
@@ -221,9 +221,17 @@ def _train(rank, world_size, optimizer):
         assert not torch.equal(w_pgas[name], like[name]), f"{name} was not trained"
 
 
-@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
-def test_gpu_training_matches_table_wise(optimizer):
-    run_ranks(_train, 2, backend="nccl", optimizer=optimizer)
+@pytest.mark.parametrize(
+    "optimizer,owners",
+    [
+        (EmbOptimType.EXACT_SGD, [0, 1, 1, 0, 1]),
+        (EmbOptimType.EXACT_ROWWISE_ADAGRAD, [0, 1, 1, 0, 1]),
+        (EmbOptimType.EXACT_SGD, [0, 0, 0]),  # rank 1 owns no table
+    ],
+    ids=["sgd", "adagrad", "sgd-one-owner"],
+)
+def test_gpu_training_matches_table_wise(optimizer, owners):
+    run_ranks(_train, 2, backend="nccl", optimizer=optimizer, owners=owners)
 
 
 def _bad_ids(rank, world_size):

@@ -16,6 +16,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torchrec_pgas.kernels.bag_offsets import bag_offsets_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
+from torchrec_pgas.kernels import grads_put  # noqa: E402
+from torchrec_pgas.kernels.grads_put import grads_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
 from torchrec_pgas.kernels import lookup_put  # noqa: E402
@@ -57,6 +59,14 @@ CASES = {
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr",
          "BLOCK_D": "constexpr", "ALIGN": "constexpr"},
         [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16}],
+    ),
+    "grads_put": (
+        grads_put_kernel,
+        {"grad_ptr": "*fp32", "dests_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
+         "batch": "i64", "pitch": "i32", "generation_bytes": "i64", "scale": "fp32",
+         "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
+         "ALIGN": "constexpr", "DEST_WORDS": "constexpr"},
+        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5}],
     ),
     "ids_check": (
         ids_check_kernel,
@@ -164,8 +174,8 @@ def _ptx(name, constexprs, num_warps, attrs=None):
 def test_pooled_rows_move_four_elements_at_once():
     """``lookup_put`` reads table rows and stores pooled rows 4 fp32 at a time (16-byte
     accesses, as FBGEMM's forward does; moving one at a time, it took 0.29 ms at R1 where
-    FBGEMM's forward took 0.18 ms). ``rows_put`` does too once Triton has specialized its
-    sizes as multiples of 16."""
+    FBGEMM's forward took 0.18 ms). ``rows_put`` and ``grads_put`` do too once Triton has
+    specialized their sizes as multiples of 16."""
     unweighted = CASES["lookup_put_fp32_to_fp32"][2][1]
     ptx = _ptx("lookup_put_fp32_to_fp32", unweighted, lookup_put.NUM_WARPS)
     assert ptx.count("ld.global.v4.b32") >= lookup_put.ROWS and "st.global.v4.b32" in ptx
@@ -174,5 +184,11 @@ def test_pooled_rows_move_four_elements_at_once():
     names = list(CASES["rows_put"][1])
     attrs = {(names.index(a),): sixteen for a in ("src_ptr", "dim", "pitch", "col")}
     ptx = _ptx("rows_put", CASES["rows_put"][2][0], rows_put.NUM_WARPS, attrs)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
+    # ``grads_put`` on the way back, its columns and dims read from its table.
+    names = list(CASES["grads_put"][1])
+    attrs = {(names.index(a),): sixteen for a in ("grad_ptr", "pitch")}
+    ptx = _ptx("grads_put", CASES["grads_put"][2][0], grads_put.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx

@@ -1,8 +1,8 @@
 """The GPU path's bookkeeping kernels, run by Triton's interpreter on the CPU against
 plain torch oracles: validation and slot headers at the source (``ids_check``,
 ``ids_header``), the lookup layout at the owner (``bag_offsets``, ``gather_ids``), and
-the rows' final places (``rows_put``, with this process's tensors standing in for the
-peers' mappings).
+the rows' final places (``rows_put``, ``lookup_put``, and ``grads_put`` on the way back,
+with this process's tensors standing in for the peers' mappings).
 
 The kernels that call NVSHMEM cannot run here (the interpreter has no extern calls);
 ``test_gpu.py`` covers them on the device.
@@ -47,14 +47,16 @@ else:
 
 @pytest.fixture(scope="module")
 def k():
-    from torchrec_pgas.kernels import bag_offsets, gather_ids, ids_check, ids_header, lookup_put, row_buckets, rows_put
+    from torchrec_pgas.kernels import (
+        bag_offsets, gather_ids, grads_put, ids_check, ids_header, lookup_put, row_buckets, rows_put,
+    )
 
     class Kernels:
         pass
 
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
-    Kernels.lookup_put, Kernels.row_buckets = lookup_put, row_buckets
+    Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     return Kernels
 
 
@@ -410,6 +412,49 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
 @_interpreted
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gradient_columns_land_in_their_owners_slots_divided_and_are_counted(k, seed, dtype):
+    """``grads_put`` against torch's gradient division of each owner's columns: every owner gets
+    its columns' rows, and only them, at the generation asked, and a count per program."""
+    rnd = random.Random(seed)
+    P = rnd.randint(1, 3)
+    dims = [rnd.choice([4, 12, 128, 136, 260]) for _ in range(P)]  # past BLOCK_D too
+    first = 4 * rnd.randint(0, 2)  # columns and the pitch: multiples of 4, as the kernel may assume
+    cols = [first + sum(dims[:p]) for p in range(P)]
+    pitch = first + sum(dims) + 4 * rnd.randint(0, 2)
+    batch = rnd.choice([0, 1, 31, 32, 33, 70])
+    cap = batch + rnd.choice([0, 1, 40])
+    # (bf16 only by powers of two: the interpreter truncates fp32 to bf16, GPUs round.)
+    world = rnd.choice([2, 4] if dtype == torch.bfloat16 else [2, 3, 4])
+    grad = torch.randn(batch, pitch, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    owners, me = rnd.sample(range(4), P), rnd.randrange(4)
+    per_generation = cap * max(dims)
+    slots = [torch.full((2 * per_generation,), -1.0, dtype=dtype) for _ in range(P)]
+    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(P)]
+    dests = torch.tensor(
+        [[o, c, d, slot.data_ptr(), cnt.data_ptr() + 8 * me] for o, c, d, slot, cnt in zip(owners, cols, dims, slots, counters)]
+    )
+    generation = rnd.randrange(2)
+    k.grads_put.grads_put(
+        grad, dests, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), cap,
+        generation * per_generation * grad.element_size(), float(torch.tensor(1.0) / world), 0, 10**9,
+    )
+    for p in range(P):
+        # torch on CUDA divides by a scalar as a multiplication by its fp32 reciprocal
+        # (on the CPU it divides).
+        expected = (grad[:, cols[p] : cols[p] + dims[p]].float() * (torch.tensor(1.0) / world)).to(dtype)
+        start = generation * per_generation
+        got = slots[p][start : start + batch * dims[p]].view(batch, dims[p])
+        assert torch.equal(got, expected), p
+        untouched = slots[p].clone()
+        untouched[start : start + batch * dims[p]] = -1.0
+        assert (untouched == -1.0).all(), "nothing outside the source's rows is written"
+        assert int(counters[p][me]) == k.grads_put.programs_per_source(cap)
+        assert int(counters[p].sum()) == int(counters[p][me])
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, monkeypatch):
     """``lookup_put`` against a sequential fp32 pooling of every bag: exact without
     per-sample weights, and to rounding with them (the interpreter has no fused
@@ -439,13 +484,14 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
     me = rnd.randrange(4)
     done = k.lookup_put.done_counters(S, layout, slots.device)
-    for launch in (1, 2):
+    for _ in range(2):
         k.lookup_put.lookup_put(
             slots, offsets, features, tables[0], outs[0],
             torch.tensor([o.data_ptr() for o in outs]), torch.tensor([c.data_ptr() + 8 * me for c in counters]),
             done, torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-            layout, pitch, launch, weighted, 0, 10**9,
+            layout, pitch, weighted, 0, 10**9,
         )
+        assert not done.any(), "the last program of each block leaves it at zero for the next launch"
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]
         untouched = outs[s].clone()

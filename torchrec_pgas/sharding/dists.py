@@ -87,11 +87,9 @@ class _ExchangePooled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape)
-        if get_gradient_division():
-            # TorchRec's collectives average embedding gradients over ranks in
-            # backward, the way DDP does for dense parameters; match it.
-            grad.div_(ctx.exchange.world_size)
+        # TorchRec's collectives average embedding gradients over ranks in backward,
+        # the way DDP does for dense parameters; the exchanges match it.
+        grad = ctx.exchange.exchange_grads(grad_out, ctx.route, ctx.shape, get_gradient_division())
         return grad, None, None, None
 
 

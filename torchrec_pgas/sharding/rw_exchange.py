@@ -167,10 +167,10 @@ class RwExchange(MeanAfterSum, TwExchange):
         return out
 
     def exchange_grads(
-        self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size
+        self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size, divide: bool
     ) -> torch.Tensor:
         """Puts the whole gradient to every owner; returns the gradient of this owner's
-        partial sums, rows in lookup order."""
+        partial sums, rows in lookup order (divided by the world size if ``divide``)."""
         box = self._grads
         assert box is not None
         self._grad_step += 1
@@ -186,4 +186,4 @@ class RwExchange(MeanAfterSum, TwExchange):
             nbytes = batch * self._dim_total * self._elem
             blocks.append(box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dim_total).clone())
             box.release(source, step)
-        return torch.cat(blocks)
+        return self._divided(torch.cat(blocks), divide)

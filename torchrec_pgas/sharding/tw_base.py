@@ -71,6 +71,11 @@ class BaseTwExchange:
     def world_size(self) -> int:
         return self._t.world_size
 
+    def _divided(self, grad: torch.Tensor, divide: bool) -> torch.Tensor:
+        """``grad`` divided in place by the world size if ``divide`` (TorchRec's
+        gradient division)."""
+        return grad.div_(self._t.world_size) if divide else grad
+
     def _set_input_features(self, features: Sequence[TwFeature]) -> None:
         self._input_features = list(features)
         self._input_keys = [f.name for f in self._input_features]

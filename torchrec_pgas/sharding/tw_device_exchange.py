@@ -23,9 +23,11 @@ kernels, so the host only enqueues a handful of launches per step:
   wait copies the transport's error record next to the step's headers), copies its
   output out of the slot, releases it, and reads the headers and the error record in
   one read-back (a second one only to report a timed-out wait).
-* ``exchange_grads``: each owner's gradient block is put into its per-source slot;
-  the owner hands the slots, in lookup order, to FBGEMM's backward, whose fused
-  optimizer applies the update exactly as under ``table_wise``.
+* ``exchange_grads``: ``grads_put`` stores each owner's columns of the output gradient
+  (divided as TorchRec divides them) straight into the owner's per-source slot; the
+  owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
+  takes without a copy, whose fused optimizer applies the update exactly as under
+  ``table_wise``. The owner releases them at its next backward, after FBGEMM's.
 """
 
 import collections
@@ -41,6 +43,7 @@ from triton.runtime.driver import driver
 
 from torchrec_pgas.kernels.bag_offsets import bag_offsets
 from torchrec_pgas.kernels.gather_ids import gather_ids
+from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
 from torchrec_pgas.kernels.ids_header import feature_runs, ids_header, runs_of
 from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
@@ -166,7 +169,6 @@ class DeviceTwExchange(BaseTwExchange):
         # into its own block of full rows (row-wise partial sums).
         self._out_blocks, self._my_out_block = 1, 0
         self._fused_lookup = fused_lookup
-        self._lookup_puts = 0
         self._tables_key: Tuple[int, ...] = ()
         self._tables = torch.empty(0, 4, dtype=torch.int64, device=self._dev)
         # The ids step whose slots a pending ``lookup_put`` still reads.
@@ -201,9 +203,11 @@ class DeviceTwExchange(BaseTwExchange):
         self._out = _Symmetric(t, (depth * self._out_slot,), torch.uint8)
         self._out_count = _Symmetric(t, (world,), torch.int64)
         self._out_free = t._tensor((world,), torch.int64)
-        self._grad_slot = rows * max(self._dims) * self._elem
-        self._grads = t._tensor((depth * world * self._grad_slot,), torch.uint8)
-        self._grads_ready = t._tensor((world,), torch.int64)
+        # An owner's slots of a step are [world * rows, its dims]: the generation is
+        # sized by the widest owner.
+        self._grad_generation = world * rows * max(self._dims) * self._elem
+        self._grads = _Symmetric(t, (depth * self._grad_generation,), torch.uint8)
+        self._grads_count = _Symmetric(t, (world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
         self._done = done_counters(world, layout, self._dev)
         # The lookup output of a step whose rows ``lookup_put`` put (none).
@@ -214,6 +218,24 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        grads, counts = self._grads.peers.tolist(), self._grads_count.peers.tolist()
+        self._grad_dests = torch.tensor(
+            [
+                [o, self._col_offsets[o], self._dims[o], grads[o] + self._me * rows * self._dims[o] * self._elem,
+                 counts[o] + self._me * 8]
+                for o in self._owners_with_tables
+            ],
+            dtype=torch.int64, device=self._dev,
+        ).view(-1, 5)
+        # torch divides by a scalar as a multiplication by its fp32 reciprocal.
+        self._grad_scale = float(torch.tensor(1.0) / world)
+        d = self._dims[self._me]
+        self._grad_views = [
+            self._grads.local[g * self._grad_generation : g * self._grad_generation + world * rows * d * self._elem]
+            .view(self._out_dtype)
+            .view(world * rows, d)
+            for g in range(depth)
+        ]
         # Each lookup group's first bag, and the end of the last group's bags.
         features = len(self._features_per_rank[self._me])
         self._group_bags = [f * world * rows for f in self._group_first + [features]]
@@ -229,7 +251,7 @@ class DeviceTwExchange(BaseTwExchange):
         ]
         # When the model goes, its buffers go back to the transport.
         symmetric = [self._ids, self._ids_ready, self._ids_free, self._out.local, self._out_count.local,
-                     self._out_free, self._grads, self._grads_ready, self._grads_free]
+                     self._out_free, self._grads.local, self._grads_count.local, self._grads_free]
         weakref.finalize(self, t.retire, t.owner_id(), symmetric)
         torch.cuda.synchronize(self._dev)
         t.barrier()
@@ -435,11 +457,9 @@ class DeviceTwExchange(BaseTwExchange):
             lookup_put(
                 slots, offsets, tables, emb_modules[0].emb_module.weights_dev,
                 self._out_views[0], self._out_addrs[out_step % DEFAULT_DEPTH], self._my_counts,
-                self._done, self._out_free, self._t.err, layout, self._dim_total,
-                self._lookup_puts + 1, self._weighted,
+                self._done, self._out_free, self._t.err, layout, self._dim_total, self._weighted,
                 max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
-            self._lookup_puts += 1  # after the launch: a failed one leaves the targets right
             route.put_by_lookup = True
             out = self._no_rows.detach()  # a tensor of its own: it carries the step's route
         self._held = None
@@ -535,34 +555,27 @@ class DeviceTwExchange(BaseTwExchange):
     # ---------------------------------------------------------------- backward
 
     def exchange_grads(
-        self, grad_out: torch.Tensor, route: DeviceRoute, local_embs_shape: torch.Size
+        self, grad_out: torch.Tensor, route: DeviceRoute, local_embs_shape: torch.Size, divide: bool
     ) -> torch.Tensor:
-        """Puts each owner's block of ``grad_out``; returns the gradient of the local
-        pooled embeddings in the lookup's (padded) row order."""
+        """Puts each owner's columns of ``grad_out`` (divided by the world size if
+        ``divide``); returns the gradient of the local pooled embeddings in the lookup's
+        (padded) row order."""
         layout = self._layout
         assert layout is not None
         self._grad_step += 1
         step = self._grad_step
-        me, world, cap = self._me, self._t.world_size, layout.batch_capacity
-        grad_out = grad_out.to(self._out_dtype)
-        blocks = [grad_out[:, self._col_offsets[o] : self._col_offsets[o] + self._dims[o]].contiguous() for o in self._owners_with_tables]
-        dst = ((step % DEFAULT_DEPTH) * world + me) * self._grad_slot
-        chunks = torch.tensor(
-            [[[dst, b.data_ptr(), b.numel() * self._elem]] for b in blocks], dtype=torch.int64
-        ).to(self._dev, non_blocking=True)
-        put_signal(
-            self._owners, chunks, self._grads, self._grads_ready, self._grads_free, self._t.err,
-            me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+        cap = layout.batch_capacity
+        generation = (step % DEFAULT_DEPTH) * self._grad_generation
+        grads_put(
+            grad_out.to(self._out_dtype).contiguous(), self._grad_dests, self._grads_free, self._t.err,
+            cap, generation, self._grad_scale if divide else 1.0, max(step - DEFAULT_DEPTH, 0),
+            self._t.timeout_ns,
         )
-        if self._dims[me] == 0:
+        if self._dims[self._me] == 0:
             return grad_out.new_zeros(local_embs_shape)
-        self._wait(self._grads_ready, self._all, arrived(step))
-        base = (step % DEFAULT_DEPTH) * world * self._grad_slot
-        slots = self._grads[base : base + world * self._grad_slot].view(world, self._grad_slot)
-        d = self._dims[me]
-        # One copy out of the strided slots: they are reused two steps on.
-        grad = torch.empty(world * cap, d, dtype=self._out_dtype, device=self._dev)
-        grad.view(world, cap * d).copy_(slots[:, : cap * d * self._elem].view(self._out_dtype))
-        self._signal(self._all, self._grads_free, step)
+        if step > 1:
+            # The previous step's slots: FBGEMM's backward, enqueued since, read them.
+            self._signal(self._all, self._grads_free, step - 1)
+        self._wait(self._grads_count.local, self._all, step * programs_per_source(cap))
         # Rows past a source's batch belong to empty bags: FBGEMM's backward never reads them.
-        return grad
+        return self._grad_views[step % DEFAULT_DEPTH]

@@ -243,10 +243,11 @@ class TwExchange(BaseTwExchange):
     # ---------------------------------------------------------------- backward
 
     def exchange_grads(
-        self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size
+        self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size, divide: bool
     ) -> torch.Tensor:
         """Puts each owner's block of ``grad_out``; returns the gradient of the
-        local pooled embeddings, rows in lookup order."""
+        local pooled embeddings, rows in lookup order (divided by the world size if
+        ``divide``)."""
         box = self._grads
         assert box is not None
         self._grad_step += 1
@@ -268,4 +269,4 @@ class TwExchange(BaseTwExchange):
                 box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dims[me]).clone()
             )
             box.release(source, step)
-        return torch.cat(blocks)
+        return self._divided(torch.cat(blocks), divide)
