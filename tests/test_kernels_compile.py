@@ -22,6 +22,8 @@ from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
 from torchrec_pgas.kernels import lookup_put  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
+from torchrec_pgas.kernels import output_take  # noqa: E402
+from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
 from torchrec_pgas.kernels import rows_put  # noqa: E402
@@ -46,10 +48,9 @@ CASES = {
     ),
     "signal_wait": (
         signal_wait_kernel,
-        {"sig_ptr": "*i64", "peers_ptr": "*i32", "err_ptr": "*i64", "record_ptr": "*i64",
-         "num_peers": "i32", "target": "i64", "what": "i32", "timeout_ns": "i64", "at": "i32",
-         "COPY": "constexpr"},
-        [{"COPY": True}, {"COPY": False}],
+        {"sig_ptr": "*i64", "peers_ptr": "*i32", "err_ptr": "*i64",
+         "num_peers": "i32", "target": "i64", "what": "i32", "timeout_ns": "i64"},
+        [{}],
     ),
     "rows_put": (
         rows_put_kernel,
@@ -67,6 +68,15 @@ CASES = {
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
          "ALIGN": "constexpr", "DEST_WORDS": "constexpr"},
         [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5}],
+    ),
+    "output_take": (
+        output_take_kernel,
+        {"slot_ptr": "*fp32", "out_ptr": "*fp32", "counts_ptr": "*i64", "owners_ptr": "*i32",
+         "out_free_ptr": "*i64", "ids_free_ptr": "*i64", "done_ptr": "*i64", "err_ptr": "*i64",
+         "record_ptr": "*i64", "batch": "i64", "rows": "i64", "pitch": "i32", "num_owners": "i64",
+         "num_sources": "i64", "target": "i64", "out_step": "i64", "ids_step": "i64", "timeout_ns": "i64",
+         "at": "i64", "BLOCKS": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr"},
+        [{"BLOCKS": b, "BLOCK_B": 32, "BLOCK_D": 128} for b in (1, 2)],
     ),
     "ids_check": (
         ids_check_kernel,
@@ -174,8 +184,8 @@ def _ptx(name, constexprs, num_warps, attrs=None):
 def test_pooled_rows_move_four_elements_at_once():
     """``lookup_put`` reads table rows and stores pooled rows 4 fp32 at a time (16-byte
     accesses, as FBGEMM's forward does; moving one at a time, it took 0.29 ms at R1 where
-    FBGEMM's forward took 0.18 ms). ``rows_put`` and ``grads_put`` do too once Triton has
-    specialized their sizes as multiples of 16."""
+    FBGEMM's forward took 0.18 ms). ``rows_put``, ``grads_put`` and ``output_take`` do too
+    once Triton has specialized their sizes as multiples of 16."""
     unweighted = CASES["lookup_put_fp32_to_fp32"][2][1]
     ptx = _ptx("lookup_put_fp32_to_fp32", unweighted, lookup_put.NUM_WARPS)
     assert ptx.count("ld.global.v4.b32") >= lookup_put.ROWS and "st.global.v4.b32" in ptx
@@ -192,3 +202,9 @@ def test_pooled_rows_move_four_elements_at_once():
     ptx = _ptx("grads_put", CASES["grads_put"][2][0], grads_put.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
+    # ``output_take``, which copies (sums) the requester's output out of its slot.
+    names = list(CASES["output_take"][1])
+    attrs = {(names.index(a),): sixteen for a in ("slot_ptr", "out_ptr", "pitch")}
+    ptx = _ptx("output_take", CASES["output_take"][2][1], output_take.NUM_WARPS, attrs)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert ptx.count("ld.global.b32") == 1 and "st.global.b32" not in ptx, "one scalar load: an owner's rank"

@@ -1,8 +1,9 @@
 """The GPU path's bookkeeping kernels, run by Triton's interpreter on the CPU against
 plain torch oracles: validation and slot headers at the source (``ids_check``,
 ``ids_header``), the lookup layout at the owner (``bag_offsets``, ``gather_ids``), and
-the rows' final places (``rows_put``, ``lookup_put``, and ``grads_put`` on the way back,
-with this process's tensors standing in for the peers' mappings).
+the rows' final places and the requester's output (``rows_put``, ``lookup_put``,
+``output_take``, and ``grads_put`` on the way back, with this process's tensors standing
+in for the peers' mappings).
 
 The kernels that call NVSHMEM cannot run here (the interpreter has no extern calls);
 ``test_gpu.py`` covers them on the device.
@@ -48,7 +49,7 @@ else:
 @pytest.fixture(scope="module")
 def k():
     from torchrec_pgas.kernels import (
-        bag_offsets, gather_ids, grads_put, ids_check, ids_header, lookup_put, row_buckets, rows_put,
+        bag_offsets, gather_ids, grads_put, ids_check, ids_header, lookup_put, output_take, row_buckets, rows_put,
     )
 
     class Kernels:
@@ -57,6 +58,7 @@ def k():
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
+    Kernels.output_take = output_take
     return Kernels
 
 
@@ -434,9 +436,10 @@ def test_gradient_columns_land_in_their_owners_slots_divided_and_are_counted(k, 
         [[o, c, d, slot.data_ptr(), cnt.data_ptr() + 8 * me] for o, c, d, slot, cnt in zip(owners, cols, dims, slots, counters)]
     )
     generation = rnd.randrange(2)
+    released = torch.full((4,), 7, dtype=torch.int64)  # every owner released step 7
     k.grads_put.grads_put(
-        grad, dests, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), cap,
-        generation * per_generation * grad.element_size(), float(torch.tensor(1.0) / world), 0, 10**9,
+        grad, dests, released, torch.zeros(4, dtype=torch.int64), cap,
+        generation * per_generation * grad.element_size(), float(torch.tensor(1.0) / world), 7, 10**9,
     )
     for p in range(P):
         # torch on CUDA divides by a scalar as a multiplication by its fp32 reciprocal
@@ -450,6 +453,50 @@ def test_gradient_columns_land_in_their_owners_slots_divided_and_are_counted(k, 
         assert (untouched == -1.0).all(), "nothing outside the source's rows is written"
         assert int(counters[p][me]) == k.grads_put.programs_per_source(cap)
         assert int(counters[p].sum()) == int(counters[p][me])
+
+
+def _words(n: int):
+    """``n`` int64 words standing in for peers' signal words, and their addresses."""
+    words = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    return words, torch.tensor([w.data_ptr() for w in words], dtype=torch.int64)
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dtype):
+    """``output_take`` against torch's sum of the owners' blocks in rank order: the
+    output, the slots released to every owner (and source) with the step, the error
+    record copied, and ``done`` left at zero for the next launch."""
+    rnd = random.Random(seed)
+    # (bf16 sums stay out: the interpreter truncates fp32 to bf16, GPUs round.)
+    blocks = 1 if dtype == torch.bfloat16 else [1, 2, 3, 2][seed]
+    pitch = 4 * rnd.randint(1, 70)  # past BLOCK_D too
+    rows = rnd.choice([1, 40, 70])
+    batch = rnd.choice([0, 1, rows // 2, rows])
+    slot = torch.randn(blocks, rows, pitch, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out = torch.full((batch, pitch), -1.0, dtype=dtype)
+    world = 4
+    owners = torch.tensor(sorted(rnd.sample(range(world), rnd.randint(1, world))), dtype=torch.int32)
+    counts = torch.full((world,), 9, dtype=torch.int64)  # every owner's rows have arrived
+    out_free, out_addrs = _words(owners.numel())
+    ids_free, ids_addrs = _words(world)
+    ids_step = rnd.choice([0, 6])  # 0: the lookup did not pool from the ids slots
+    err = torch.tensor([0, 5, 6, 7], dtype=torch.int64)
+    record = torch.full((11,), -1, dtype=torch.int64)
+    done = torch.zeros(1, dtype=torch.int64)
+    for _ in range(2):
+        k.output_take.output_take(
+            slot, out, counts, owners, out_addrs, ids_addrs, done, err, record, 7, 9, 4, ids_step, 10**9,
+        )
+        assert int(done) == 0, "the last program leaves done at zero for the next launch"
+    expected = slot[0, :batch].clone()
+    for b in range(1, blocks):
+        expected = expected + slot[b, :batch]
+    assert torch.equal(out, expected)
+    assert all(int(w) == 4 for w in out_free), "every owner gets its output slot back"
+    assert all(int(w) == ids_step for w in ids_free), "the sources get their ids slots back if the lookup read them"
+    assert record[7:].tolist() == err.tolist() and (record[:7] == -1).all()
 
 
 @_interpreted

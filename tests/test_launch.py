@@ -199,7 +199,7 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
     t = torch.zeros(8, dtype=torch.int64)
     lookup_put.lookup_put(
         t, t, torch.zeros(8, 4, dtype=torch.int64), torch.zeros(1), torch.zeros(1), t[:8], t, t, t, t,
-        layout, 1024, 1, False, 0, 10**9,
+        layout, 1024, False, 0, 10**9,
     )
     (grid,) = grids
     assert grid[0] * lookup_put.BLOCK_B >= layout.batch_capacity

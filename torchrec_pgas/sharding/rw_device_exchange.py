@@ -91,12 +91,3 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
             torch.cat([offsets, offsets[-1:].expand(rest)]),
             torch.cat([lengths, lengths.new_zeros(rest)]),
         )
-
-    def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
-        """The owners' partial sums added in rank order."""
-        if blocks.size(0) == 1:
-            return blocks[0, :batch].clone()
-        out = blocks[0, :batch] + blocks[1, :batch]
-        for owner in range(2, blocks.size(0)):
-            out += blocks[owner, :batch]
-        return out

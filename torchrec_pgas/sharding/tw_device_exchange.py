@@ -19,10 +19,11 @@ kernels, so the host only enqueues a handful of launches per step:
   FBGEMM reads only what the offsets cover (its bounds check is off: sources have
   checked every id).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
-  output (peer mapping) and counts them in; the requester waits for its count (the
-  wait copies the transport's error record next to the step's headers), copies its
-  output out of the slot, releases it, and reads the headers and the error record in
-  one read-back (a second one only to report a timed-out wait).
+  output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
+  requester's ``output_take`` waits for its count, copies its output out of the slot,
+  releases the slot (and the ids slots ``lookup_put`` pooled from) and copies the
+  transport's error record next to the step's headers, which the host reads in one
+  read-back (a second one only to report a timed-out wait).
 * ``exchange_grads``: ``grads_put`` stores each owner's columns of the output gradient
   (divided as TorchRec divides them) straight into the owner's per-source slot; the
   owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
@@ -47,6 +48,7 @@ from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
 from torchrec_pgas.kernels.ids_header import feature_runs, ids_header, runs_of
 from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
+from torchrec_pgas.kernels.output_take import output_take
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
@@ -110,7 +112,9 @@ class DeviceRoute:
     # error record once the step's output has arrived (one read-back for both).
     record: torch.Tensor
     my_batch: int  # this rank's batch size as its header reports it
-    put_by_lookup: bool = False  # the rows were put by ``lookup_put`` already
+    # The rows were put by ``lookup_put``, pooled straight from the ids slots of this
+    # step, which go back to their sources with the output's slot (0: not so).
+    ids_step: int = 0
     divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
 
 
@@ -218,6 +222,12 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_addrs = [self._out.peers + g * self._out_slot + mine for g in range(depth)]
         self._my_counts = self._out_count.peers + self._me * 8
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        # Where this rank releases an owner's output slot and a source's ids slot.
+        out_free, ids_free = t.peer_addresses(self._out_free).tolist(), t.peer_addresses(self._ids_free).tolist()
+        word = 8 * self._me
+        self._out_free_words = torch.tensor([out_free[o] + word for o in self._owners_with_tables], device=self._dev)
+        self._ids_free_words = torch.tensor([a + word for a in ids_free], device=self._dev)
+        self._take_done = torch.zeros(1, dtype=torch.int64, device=self._dev)
         grads, counts = self._grads.peers.tolist(), self._grads_count.peers.tolist()
         self._grad_dests = torch.tensor(
             [
@@ -436,8 +446,9 @@ class DeviceTwExchange(BaseTwExchange):
         slots: torch.Tensor, offsets: torch.Tensor, step: int, stream: int,
     ) -> Optional[torch.Tensor]:
         """Pools every requester's bags from the slots of ``step`` and puts the rows
-        (``kernels/lookup_put``); or, under autograd or for tables it cannot read,
-        fills ``batch.groups`` for TorchRec's lookup. Releases the slots either way."""
+        (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); or, under
+        autograd or for tables it cannot read, fills ``batch.groups`` for TorchRec's
+        lookup and releases the slots."""
         if self._held != step:
             raise PgasError(
                 f"{self._name}: rank {self._me} looked up a batch whose ids were released "
@@ -460,8 +471,9 @@ class DeviceTwExchange(BaseTwExchange):
                 self._done, self._out_free, self._t.err, layout, self._dim_total, self._weighted,
                 max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
             )
-            route.put_by_lookup = True
-            out = self._no_rows.detach()  # a tensor of its own: it carries the step's route
+            # The slots stay held until the output's take releases them.
+            route.ids_step = step
+            return self._no_rows.detach()  # a tensor of its own: it carries the step's route
         self._held = None
         self._signal(self._all, self._ids_free, step)
         return out
@@ -489,13 +501,9 @@ class DeviceTwExchange(BaseTwExchange):
         self._tables = torch.tensor(rows, dtype=torch.int64, device=self._dev)
         return self._tables
 
-    def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int, record: Optional[torch.Tensor] = None) -> None:
-        """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``
-        (then the copy of the error record to the end of ``record``, if given)."""
-        signal_wait(
-            sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns,
-            record, self._err_at,
-        )
+    def _wait(self, sig: torch.Tensor, peers: torch.Tensor, target: int) -> None:
+        """Enqueues a wait for data: ``sig[q] >= target`` for every ``q`` in ``peers``."""
+        signal_wait(sig, peers, target, self._t.err, _WAIT_DATA, self._t.timeout_ns)
 
     def _signal(self, peers: torch.Tensor, sig: torch.Tensor, step: int) -> None:
         """Sets word ``me`` of ``sig`` at every peer to ``step``."""
@@ -516,7 +524,7 @@ class DeviceTwExchange(BaseTwExchange):
         layout = self._layout
         assert layout is not None
         me = self._me
-        if route.put_by_lookup:
+        if route.ids_step:
             step = self._out_step
         else:
             step = self._next_out_step()
@@ -529,17 +537,19 @@ class DeviceTwExchange(BaseTwExchange):
                     self._out_free, self._t.err, layout.batch_capacity, self._dim_total,
                     self._col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
                 )
+        ids_step = route.ids_step if route.ids_step == self._held else 0  # (not released since)
+        if ids_step:
+            self._held = None
         self._expected_rows += programs_per_requester(route.my_batch)
-        self._wait(self._out_count.local, self._owners, self._expected_rows, route.record)
-        # The slot is reused two steps on, the output may live longer.
-        out = self._output(self._out_views[step % DEFAULT_DEPTH], route.my_batch)
-        self._signal(self._owners, self._out_free, step)
+        # A copy: the slot is reused two steps on, the output may live longer.
+        out = torch.empty(route.my_batch, self._dim_total, dtype=self._out_dtype, device=self._dev)
+        output_take(
+            self._out_views[step % DEFAULT_DEPTH], out, self._out_count.local, self._owners,
+            self._out_free_words, self._ids_free_words, self._take_done, self._t.err, route.record,
+            self._err_at, self._expected_rows, step, ids_step, self._t.timeout_ns,
+        )
         self._check(route.record)
         return out
-
-    def _output(self, blocks: torch.Tensor, batch: int) -> torch.Tensor:
-        """This rank's output from its output slot's blocks (``[blocks, rows, dims]``)."""
-        return blocks[0, :batch].clone()
 
     def _check(self, step_record: torch.Tensor) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""
