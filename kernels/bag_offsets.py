@@ -4,12 +4,17 @@ headers, and lays out the bags of the owner's lookup batch as bag offsets.
 The owner pools one batch for all its sources, feature-major, then source, then
 sample: bag ``(f, s, b)`` is bag ``(f * S + s) * batch_capacity + b``. Bags past a
 source's batch size, and every bag of a source whose header is not ``OK`` (or whose
-slot did not arrive in time), are empty. Program ``(f, s, blk)`` waits for the slots,
-then writes the lengths of bags ``blk * BLOCK ...`` of feature ``f`` and source ``s`` to
-``offsets[1:]`` (program ``(0, 0, 0)`` also the headers and ``offsets[0] = 0``), and one
-cumulative sum turns them into the lookup's bag offsets. The wait, the headers and the
-layout are one launch because a step's time is the host's: a launch costs the host
-more than the device.
+slot did not arrive in time), are empty. The wait, the headers and the layout are one
+launch because a step's time is the host's: a launch, or torch's cumulative sum (two
+kernels and an occupancy query), costs the host more than the device.
+
+Each program waits for the slots, then takes the next block of ``BLOCK`` bags in
+lookup order (a ticket, so that the blocks before its own are held by programs that
+already run), publishes its block's total length, adds up the totals of the blocks
+before it (spinning until each is published; they never wait on a later block) and
+writes its bags' cumulative lengths to ``offsets[1:]``. The program with ticket 0 also
+writes the headers and ``offsets[0] = 0``; the last one to finish zeroes ``scan`` for
+the next launch.
 
 Buffers:
     slots:    uint8, this step's generation of the ids mailbox: S slots of
@@ -17,9 +22,11 @@ Buffers:
               ``lengths_offset``, ...)
     offsets:  int64 [F * S * batch_capacity + 1]  out
     record:   int64 [S * 8 + 4]  out: the S slot headers, in source order (the last
-              four words are left for ``signal_wait`` to copy the error record into)
+              four words are left for ``output_take`` to copy the error record into)
     ready:    int64 [S]  this rank's ready signals, one word per source (with WAIT)
     err:      int64 [4]  error record (see ``signals.py``)
+    scan:     int64 [2 + programs]  tickets taken, programs finished, then each block's
+              total length once published (``PUBLISHED`` set); zero between launches
 """
 
 from typing import Optional
@@ -33,7 +40,11 @@ from torchrec_pgas.kernels.signals import WAIT_DATA, wait_ge
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
+#: Set in a block's published total (a total may be zero).
+PUBLISHED = tl.constexpr(1 << 62)
 BLOCK = 1024
+#: Totals of earlier blocks read at once.
+LOOK = 256
 NUM_WARPS = 4
 
 
@@ -48,6 +59,7 @@ def bag_offsets_kernel(
     record_ptr,
     ready_ptr,
     err_ptr,
+    scan_ptr,
     num_features: tl.int64,
     num_sources: tl.int64,
     batch_capacity: tl.int64,
@@ -58,10 +70,8 @@ def bag_offsets_kernel(
     WAIT: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LOOK: tl.constexpr,
 ):
-    f = tl.program_id(0)
-    s = tl.program_id(1)
-    blk = tl.program_id(2)
     arrived = num_sources >= 0
     if WAIT:
         for q in range(num_sources):
@@ -74,13 +84,18 @@ def bag_offsets_kernel(
                 arrived = wait_ge(ready_ptr + q, target, timeout_ns, err_ptr, q, WAIT_DATA)
         # Every thread reads the slots after the one that waited (acquire) saw them.
         tl.debug_barrier()
-    if (f == 0) & (s == 0) & (blk == 0):
+    ticket = tl.atomic_add(scan_ptr, 1, sem="relaxed", scope="gpu")
+    per_segment = tl.cdiv(batch_capacity, BLOCK)
+    blk = ticket % per_segment
+    s = (ticket // per_segment) % num_sources
+    f = ticket // per_segment // num_sources
+    if ticket == 0:
         words = tl.arange(0, WORDS)
         for q in range(num_sources):
             header = (slots_ptr + slot_bytes * q).to(tl.pointer_type(tl.int64), bitcast=True)
             tl.store(record_ptr + q * WORDS + words, tl.load(header + words))
         tl.store(offsets_ptr, 0)
-    slot = slots_ptr + s.to(tl.int64) * slot_bytes
+    slot = slots_ptr + s * slot_bytes
     header = slot.to(tl.pointer_type(tl.int64), bitcast=True)
     status = tl.load(header)
     batch = tl.load(header + 1)
@@ -88,12 +103,38 @@ def bag_offsets_kernel(
     mine = f < num_features
     valid = (b < batch) & (status == _OK) & arrived & mine
     lengths = (slot + lengths_offset).to(tl.pointer_type(tl.int32), bitcast=True)
-    n = tl.load(lengths + f * batch + b, mask=valid, other=0)
-    bag = (f * num_sources + s).to(tl.int64) * batch_capacity + b
-    tl.store(offsets_ptr + 1 + bag, n.to(tl.int64), mask=(b < batch_capacity) & mine)
+    n = tl.load(lengths + f * batch + b, mask=valid, other=0).to(tl.int64)
+    totals = scan_ptr + 2
+    tl.atomic_xchg(totals + ticket, tl.sum(n) | PUBLISHED, sem="release", scope="gpu")
+    before = tl.sum(n) * 0
+    for start in range(0, ticket, LOOK):
+        i = start + tl.arange(0, LOOK)
+        earlier = i < ticket
+        seen = tl.atomic_add(totals + i, 0, mask=earlier, sem="acquire", scope="gpu")
+        while tl.sum((earlier & ((seen & PUBLISHED) == 0)).to(tl.int32)) > 0:
+            seen = tl.atomic_add(totals + i, 0, mask=earlier, sem="acquire", scope="gpu")
+        before += tl.sum(tl.where(earlier, seen & ~PUBLISHED, 0))
+    bag = (f * num_sources + s) * batch_capacity + b
+    tl.store(offsets_ptr + 1 + bag, before + tl.cumsum(n, 0), mask=(b < batch_capacity) & mine)
+    # The last program to finish (every look-back done) zeroes the scan state.
+    programs = tl.num_programs(0)
+    if tl.atomic_add(scan_ptr + 1, 1, sem="acq_rel", scope="gpu") + 1 == programs:
+        for first in range(0, programs, LOOK):
+            j = first + tl.arange(0, LOOK)
+            tl.store(totals + j, tl.zeros([LOOK], dtype=tl.int64), mask=j < programs)
+        tl.store(scan_ptr + tl.arange(0, 2), tl.zeros([2], dtype=tl.int64))
 
 
 _launcher = Launcher(bag_offsets_kernel)
+
+
+def _programs(num_features: int, num_sources: int, layout: IdsSlotLayout) -> int:
+    return max(num_features, 1) * num_sources * cdiv(layout.batch_capacity, BLOCK)
+
+
+def scan_state(num_features: int, num_sources: int, layout: IdsSlotLayout, device: torch.device) -> torch.Tensor:
+    """The zeroed ``scan`` buffer of ``bag_offsets`` for this many features and sources."""
+    return torch.zeros(2 + _programs(num_features, num_sources, layout), dtype=torch.int64, device=device)
 
 
 def bag_offsets(
@@ -101,6 +142,7 @@ def bag_offsets(
     num_features: int,
     layout: IdsSlotLayout,
     record: torch.Tensor,
+    scan: torch.Tensor,
     ready: Optional[torch.Tensor] = None,
     target: int = 0,
     err: Optional[torch.Tensor] = None,
@@ -109,14 +151,12 @@ def bag_offsets(
     """The lookup's bag offsets over ``num_features`` features of every source slot in
     ``slots`` (``[S * slot_bytes]`` uint8), once ``ready[s] >= target`` for every
     source ``s`` (without ``ready``: at once); the slots' headers go to ``record``."""
-    S, cap = slots.numel() // layout.nbytes, layout.batch_capacity
-    offsets = torch.empty(num_features * S * cap + 1, dtype=torch.int64, device=slots.device)
+    S = slots.numel() // layout.nbytes
+    offsets = torch.empty(num_features * S * layout.batch_capacity + 1, dtype=torch.int64, device=slots.device)
     wait = ready is not None
-    grid = (max(num_features, 1), S, cdiv(cap, BLOCK))
-    _launcher[grid](
-        slots, offsets, record, ready if wait else record, err if wait else record,
-        num_features, S, cap, layout.nbytes, layout.lengths_offset, target, timeout_ns,
-        WAIT=wait, WORDS=HEADER_WORDS, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    _launcher[(_programs(num_features, S, layout),)](
+        slots, offsets, record, ready if wait else record, err if wait else record, scan,
+        num_features, S, layout.batch_capacity, layout.nbytes, layout.lengths_offset, target, timeout_ns,
+        WAIT=wait, WORDS=HEADER_WORDS, BLOCK=BLOCK, LOOK=LOOK, num_warps=NUM_WARPS,
     )
-    offsets[1:].cumsum_(0)
     return offsets

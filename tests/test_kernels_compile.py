@@ -104,11 +104,11 @@ CASES = {
     "bag_offsets": (
         bag_offsets_kernel,
         {"slots_ptr": "*u8", "offsets_ptr": "*i64", "record_ptr": "*i64", "ready_ptr": "*i64",
-         "err_ptr": "*i64", "num_features": "i32", "num_sources": "i32",
+         "err_ptr": "*i64", "scan_ptr": "*i64", "num_features": "i32", "num_sources": "i32",
          "batch_capacity": "i32", "slot_bytes": "i64", "lengths_offset": "i32",
          "target": "i64", "timeout_ns": "i64", "WAIT": "constexpr", "WORDS": "constexpr",
-         "BLOCK": "constexpr"},
-        [{"WAIT": True, "WORDS": 8, "BLOCK": 1024}, {"WAIT": False, "WORDS": 8, "BLOCK": 1024}],
+         "BLOCK": "constexpr", "LOOK": "constexpr"},
+        [{"WAIT": w, "WORDS": 8, "BLOCK": 1024, "LOOK": 256} for w in (True, False)],
     ),
     "row_buckets": (
         row_buckets_kernel,

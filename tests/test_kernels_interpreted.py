@@ -340,7 +340,10 @@ def _owner_slots(
 
 @_interpreted
 @pytest.mark.parametrize("seed", range(6))
-def test_owner_layout_and_gather_match_the_oracle(k, seed):
+def test_owner_layout_and_gather_match_the_oracle(k, seed, monkeypatch):
+    # Segments of several blocks of bags, and totals looked back at a few at a time.
+    monkeypatch.setattr(k.bag_offsets, "BLOCK", [1024, 8, 4, 16, 1024, 2][seed])
+    monkeypatch.setattr(k.bag_offsets, "LOOK", [256, 2, 4, 1, 1, 8][seed])
     g = torch.Generator().manual_seed(100 + seed)
     rnd = random.Random(seed)
     S, F = rnd.randint(1, 4), rnd.randint(1, 5)
@@ -361,8 +364,11 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed):
     expected_offsets = _offsets(bag_lengths.view(-1))
 
     record = torch.full((S * HEADER_WORDS + 4,), -5, dtype=torch.int64)
-    offsets = k.bag_offsets.bag_offsets(slots, F, layout, record)
-    assert torch.equal(offsets, expected_offsets)
+    scan = k.bag_offsets.scan_state(F, S, layout, slots.device)
+    for _ in range(2):  # the scan state is left zeroed for the next launch
+        offsets = k.bag_offsets.bag_offsets(slots, F, layout, record, scan)
+        assert torch.equal(offsets, expected_offsets)
+        assert not scan.any()
     headers = slots.view(S, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).reshape(-1)
     assert torch.equal(record[: S * HEADER_WORDS], headers), "the step's headers, in source order"
     assert (record[S * HEADER_WORDS :] == -5).all(), "the error record's words are left"
@@ -526,7 +532,9 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     cols = [first_col + sum(dims[:f]) for f in range(F)]
     pitch = first_col + sum(dims) + 4 * rnd.randint(0, 2)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
-    offsets = k.bag_offsets.bag_offsets(slots, F, layout, torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64))
+    offsets = k.bag_offsets.bag_offsets(
+        slots, F, layout, torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64), k.bag_offsets.scan_state(F, S, layout, slots.device)
+    )
     outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
     me = rnd.randrange(4)

@@ -42,7 +42,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from triton.runtime.driver import driver
 
-from torchrec_pgas.kernels.bag_offsets import bag_offsets
+from torchrec_pgas.kernels.bag_offsets import bag_offsets, scan_state
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
@@ -214,6 +214,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._grads_count = _Symmetric(t, (world,), torch.int64)
         self._grads_free = t._tensor((world,), torch.int64)
         self._done = done_counters(world, layout, self._dev)
+        self._bag_scans: Dict[int, torch.Tensor] = {}
         # The lookup output of a step whose rows ``lookup_put`` put (none).
         self._no_rows = torch.empty(0, self._dims[self._me], dtype=self._out_dtype, device=self._dev)
         # Per-step constants, built once: every small tensor op is host time on the
@@ -387,8 +388,13 @@ class DeviceTwExchange(BaseTwExchange):
         slots = self._slot_views[step % DEFAULT_DEPTH]
         record = torch.empty(self._err_at + self._t.err.numel(), dtype=torch.int64, device=self._dev)
         features = len(self._features_per_rank[self._me])
+        # One scan state per stream: receives may come from several (pipelines).
+        stream = driver.active.get_current_stream(self._dev.index)
+        scan = self._bag_scans.get(stream)
+        if scan is None:
+            scan = self._bag_scans[stream] = scan_state(features, world, layout, self._dev)
         offsets = bag_offsets(
-            slots, features, layout, record, self._ids_ready, arrived(step), self._t.err, self._t.timeout_ns
+            slots, features, layout, record, scan, self._ids_ready, arrived(step), self._t.err, self._t.timeout_ns
         )
         batch = LookupBatch(groups=[], record=record, bags_per_feature=world * cap)
         route = DeviceRoute(record=record, my_batch=self._my_batches.popleft())
@@ -396,7 +402,6 @@ class DeviceTwExchange(BaseTwExchange):
             if self._fused_lookup and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
                 self._held = step
-                stream = driver.active.get_current_stream(self._dev.index)
                 batch.pending = lambda b, modules: self._lookup_put(b, modules, route, slots, offsets, step, stream)
                 return attach_route(batch, route)
             batch.groups = self._groups(slots, offsets)
