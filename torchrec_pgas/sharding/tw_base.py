@@ -67,10 +67,6 @@ class BaseTwExchange:
         self._send_step = self._recv_step = self._out_step = self._grad_step = 0
         self._reported: Optional[Tuple[Status, Tuple[int, ...]]] = None
 
-    @property
-    def world_size(self) -> int:
-        return self._t.world_size
-
     def _divided(self, grad: torch.Tensor, divide: bool) -> torch.Tensor:
         """``grad`` divided in place by the world size if ``divide`` (TorchRec's
         gradient division)."""
