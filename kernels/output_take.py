@@ -5,8 +5,8 @@ to their sources when the lookup pooled straight from them. One launch for what 
 wait, a copy and two releases: at R1 the forward's last steps are the host's time.
 
 Program ``(blk, c)`` waits until every owner's counter for this rank has reached
-``target`` (no longer once a wait of the launch has timed out: the programs would
-otherwise time out wave after wave), then writes rows ``blk * BLOCK_B ...`` and columns
+``target`` (not once the error record holds an error, such as another program's timed
+out wait: the programs would otherwise time out wave after wave), then writes rows ``blk * BLOCK_B ...`` and columns
 ``c * BLOCK_D ...`` of ``out``: ``slot[0] + slot[1] + ...`` over the ``BLOCKS`` blocks,
 added in that order in fp32 and rounded to the output dtype after each addition, as
 torch adds tensors. The programs tick ``done`` (acquire-release at GPU scope); the last

@@ -74,7 +74,7 @@ class LookupBatch:
     (see ``DeviceRoute``).
 
     Without autograd the groups are left empty at first: ``lookup_put`` then pools the
-    bags straight from the slots and puts the rows (see ``DeviceTwExchange.lookup_put``),
+    bags straight from the slots and puts the rows (see ``DeviceTwExchange._lookup_put``),
     or fills the groups for TorchRec's lookup."""
 
     groups: List[KeyedJaggedTensor]
@@ -175,7 +175,8 @@ class DeviceTwExchange(BaseTwExchange):
         self._fused_lookup = fused_lookup
         self._tables_key: Tuple[int, ...] = ()
         self._tables = torch.empty(0, 4, dtype=torch.int64, device=self._dev)
-        # The ids step whose slots a pending ``lookup_put`` still reads.
+        # The ids step whose slots a pending ``lookup_put`` still reads, or whose
+        # launched ``lookup_put`` read until the step's ``output_take`` releases them.
         self._held: Optional[int] = None
         self._scratch: Dict[int, _SendScratch] = {}
         # A step's record (``DeviceRoute.record``): every source's header, then the
@@ -226,8 +227,10 @@ class DeviceTwExchange(BaseTwExchange):
         # Where this rank releases an owner's output slot and a source's ids slot.
         out_free, ids_free = t.peer_addresses(self._out_free).tolist(), t.peer_addresses(self._ids_free).tolist()
         word = 8 * self._me
-        self._out_free_words = torch.tensor([out_free[o] + word for o in self._owners_with_tables], device=self._dev)
-        self._ids_free_words = torch.tensor([a + word for a in ids_free], device=self._dev)
+        self._out_free_words = torch.tensor(
+            [out_free[o] + word for o in self._owners_with_tables], dtype=torch.int64, device=self._dev
+        )
+        self._ids_free_words = torch.tensor([a + word for a in ids_free], dtype=torch.int64, device=self._dev)
         self._take_done = torch.zeros(1, dtype=torch.int64, device=self._dev)
         grads, counts = self._grads.peers.tolist(), self._grads_count.peers.tolist()
         self._grad_dests = torch.tensor(
@@ -441,7 +444,8 @@ class DeviceTwExchange(BaseTwExchange):
         return groups
 
     def _release_held(self) -> None:
-        """Releases the slots of a step whose lookup will not come (a dropped batch)."""
+        """Releases the slots of a step whose lookup, or whose output, will not come (a
+        dropped batch)."""
         if self._held is not None:
             self._signal(self._all, self._ids_free, self._held)
             self._held = None
@@ -589,8 +593,11 @@ class DeviceTwExchange(BaseTwExchange):
         if self._dims[self._me] == 0:
             return grad_out.new_zeros(local_embs_shape)
         if step > 1:
-            # The previous step's slots: FBGEMM's backward, enqueued since, read them.
+            # The previous step's slots: FBGEMM's backward read them, and it is ordered
+            # before this (the same stream, or, for a lookup on a stream of its own,
+            # through this step's forward, whose output dist waited for its lookup).
             self._signal(self._all, self._grads_free, step - 1)
         self._wait(self._grads_count.local, self._all, step * programs_per_source(cap))
-        # Rows past a source's batch belong to empty bags: FBGEMM's backward never reads them.
+        # A view of the slots, valid until the next backward releases them. Rows past a
+        # source's batch belong to empty bags: FBGEMM's backward never reads them.
         return self._grad_views[step % DEFAULT_DEPTH]
