@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.signals import WAIT_DATA, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, wait_ge
 from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
@@ -118,11 +118,11 @@ def bag_offsets_kernel(
     tl.store(offsets_ptr + 1 + bag, before + tl.cumsum(n, 0), mask=(b < batch_capacity) & mine)
     # The last program to finish (every look-back done) zeroes the scan state.
     programs = tl.num_programs(0)
-    if tl.atomic_add(scan_ptr + 1, 1, sem="acq_rel", scope="gpu") + 1 == programs:
+    if last_to_finish(scan_ptr + 1, programs):
         for first in range(0, programs, LOOK):
             j = first + tl.arange(0, LOOK)
             tl.store(totals + j, tl.zeros([LOOK], dtype=tl.int64), mask=j < programs)
-        tl.store(scan_ptr + tl.arange(0, 2), tl.zeros([2], dtype=tl.int64))
+        tl.store(scan_ptr, 0)
 
 
 _launcher = Launcher(bag_offsets_kernel)

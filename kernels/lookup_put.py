@@ -48,7 +48,7 @@ import triton.language as tl
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
-from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, wait_ge
 from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
 
 #: One warp per bag, as FBGEMM (the fastest of BLOCK_B x warps = 2x2, 4x2, 4x4, 8x4, 8x8 at R1).
@@ -185,8 +185,7 @@ def lookup_put_kernel(
         # Every thread's stores are issued before the tick.
         tl.debug_barrier()
         cell = done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block
-        if tl.atomic_add(cell, 1, sem="acq_rel", scope="gpu") + 1 == done_target:
-            tl.atomic_xchg(cell, 0, sem="relaxed", scope="gpu")
+        if last_to_finish(cell, done_target):
             # Not after a program of the block timed out: the requester must time out
             # too rather than read rows that were never stored.
             if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:

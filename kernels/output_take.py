@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.signals import WAIT_DATA, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, wait_ge
 
 BLOCK_B = 32
 BLOCK_D = 128
@@ -103,8 +103,7 @@ def output_take_kernel(
     # Every thread's reads of the slot are done before the tick.
     tl.debug_barrier()
     programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") + 1 == programs:
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+    if last_to_finish(done_ptr, programs):
         words = tl.arange(0, 4)
         tl.store(record_ptr + at + words, tl.load(err_ptr + words))
         _release(out_free_ptr, num_owners, out_step)

@@ -1,5 +1,5 @@
-"""Device helpers shared by the kernels: a signal wait with a timeout, and the count-in
-of stored rows.
+"""Device helpers shared by the kernels: a signal wait with a timeout, the count of a
+launch's finished programs, and the count-in of stored rows.
 
 NVSHMEM's own ``nvshmem_signal_wait_until`` cannot time out, and a kernel that spins
 forever hangs the process with no message. These helpers spin with an acquire load
@@ -36,6 +36,17 @@ def wait_ge(sig_ptr, target, timeout_ns, err_ptr, peer, what):
         tl.store(err_ptr + 2, what)
         tl.store(err_ptr + 3, target)
     return ok
+
+
+@triton.jit
+def last_to_finish(counter_ptr, total):
+    """Counts this program in on ``*counter_ptr`` (acquire-release at GPU scope: a
+    launch's programs share the GPU) and returns whether it is the last of ``total``;
+    the last leaves the counter at zero for the next launch (stream ordered)."""
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1 == total
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 @triton.jit
