@@ -37,7 +37,7 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, wait_ge
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
 #: Set in a block's published total (a total may be zero).

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher
-from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
 BLOCK = 1024
 SPLIT = 32

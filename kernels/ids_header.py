@@ -40,7 +40,7 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.ids_check import NONE
 from torchrec_pgas.kernels.launch import Launcher, next_power_of_2
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
 _OUT_OF_RANGE = tl.constexpr(Status.ID_OUT_OF_RANGE.value)

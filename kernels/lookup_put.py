@@ -49,7 +49,7 @@ import triton.language as tl
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, wait_ge
-from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
 #: One warp per bag, as FBGEMM (the fastest of BLOCK_B x warps = 2x2, 4x2, 4x4, 8x4, 8x8 at R1).
 BLOCK_B = 2

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     # The interpreter must be chosen before Triton is first imported: in a process of

@@ -185,7 +185,7 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
     of bags go on the first (65536 samples per rank with the default headroom of 2
     once put 65536 blocks on the second)."""
     from torchrec_pgas.kernels import lookup_put
-    from torchrec_pgas.sharding.ids_slot import IdsSlotLayout
+    from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
     grids = []
 

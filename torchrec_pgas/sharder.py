@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
-from torchrec_pgas.sharding.ids_slot import Status
+from torchrec_pgas.kernels.ids_slot import Status
 from torchrec_pgas.sharding.tw_base import PgasInputError, dtype_problem, shape_problem
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 

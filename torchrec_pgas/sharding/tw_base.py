@@ -5,7 +5,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from torchrec_pgas.sharding.ids_slot import BadDtype, Header, IdsSlotLayout, Status, describe
+from torchrec_pgas.kernels.ids_slot import BadDtype, Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import PgasError, Transport
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 

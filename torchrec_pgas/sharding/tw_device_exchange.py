@@ -53,7 +53,7 @@ from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
-from torchrec_pgas.sharding.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route, route_of
 from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH

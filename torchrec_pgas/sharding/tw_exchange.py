@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.ids_slot import Header, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
 from torchrec_pgas.transport import Mailbox
 
