@@ -16,14 +16,49 @@ hooks (the NVSHMEM transport registers the kernel's module there). Under Triton'
 interpreter, or with launch or pre-run hooks set (profilers), every launch goes through
 Triton. Grids are tuples of ints (no callables), and globals the kernels read must not
 change.
+
+The fast path leans on Triton internals that carry no compatibility promise (the layout
+of ``JITFunction.device_caches``, what its binder returns, ``native_specialize_impl``'s
+arguments, the order of the C launcher's arguments), and a change there would not raise:
+it would launch with misplaced arguments. So it is taken only on the Triton release it
+was written and tested against, ``TESTED_TRITON``, matched exactly: a patch release may
+change private internals, and a pre-release, development or locally labelled build
+(``3.6.0+git...``) may be any commit. Any other Triton gets Triton's own
+``kernel[grid](...)`` launch, which is always right and costs only host time.
+
+``TORCHREC_PGAS_TRITON_LAUNCH=generic`` forces that generic launch on any version (to
+rule the fast path out when chasing a fault, or to test the fallback); unset, empty or
+``auto``, the version decides. It is read once, when this module is first imported.
 """
 
 import functools
+import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from triton import knobs
-from triton._C.libtriton import native_specialize_impl
-from triton.runtime.driver import driver
+import triton
+
+#: The Triton release the fast path was written against (``triton==3.6.0`` is pinned).
+TESTED_TRITON = "3.6.0"
+#: The environment variable that forces Triton's own launch path (see the module docstring).
+LAUNCH_ENV = "TORCHREC_PGAS_TRITON_LAUNCH"
+
+
+def fast_path_supported(triton_version: str, choice: Optional[str]) -> bool:
+    """Whether launches may skip Triton's dispatch under ``triton_version``, with
+    ``choice`` the value of ``TORCHREC_PGAS_TRITON_LAUNCH`` (``None`` when unset)."""
+    mode = (choice or "auto").strip().lower()
+    if mode not in ("auto", "generic"):
+        raise ValueError(f"{LAUNCH_ENV}={choice!r}: expected 'auto' (or unset) or 'generic'")
+    return mode == "auto" and triton_version == TESTED_TRITON
+
+
+#: Whether ``Launcher`` skips Triton's dispatch in this process.
+FAST_PATH: bool = fast_path_supported(triton.__version__, os.environ.get(LAUNCH_ENV))
+
+if FAST_PATH:
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
+    from triton.runtime.driver import driver
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,10 +92,17 @@ def _fixed(param: Any) -> bool:
 
 
 class Launcher:
-    """``Launcher(kernel)[grid](*args, **kwargs)`` launches as ``kernel[grid](...)`` does."""
+    """``Launcher(kernel)[grid](*args, **kwargs)`` launches as ``kernel[grid](...)`` does.
 
-    def __init__(self, kernel: Any) -> None:
+    It skips Triton's dispatch where ``FAST_PATH`` allows; ``fast=False`` hands every
+    launch to Triton whatever the version.
+    """
+
+    def __init__(self, kernel: Any, *, fast: bool = True) -> None:
         self._kernel = kernel
+        self._fast = FAST_PATH and fast
+        if not self._fast:
+            return
         self._compiled: Dict[Tuple[Any, ...], Any] = {}
         # Launches keyed without the binder: the launch and its constexprs' values.
         self._keyed: Dict[Tuple[Any, ...], Tuple[Callable[..., None], Tuple[Any, ...]]] = {}
@@ -74,6 +116,8 @@ class Launcher:
         )
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
+        if not self._fast:
+            return self._kernel[grid]
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:

@@ -113,6 +113,20 @@ def test_launches_are_triton_launches(launches):
         assert launches[2:] == [("through Triton", None), expected, expected, expected], (args, kwargs)
 
 
+def test_the_generic_launch_is_tritons_own(launches, monkeypatch):
+    """``fast=False`` (on a Triton the fast path was not written for, or when
+    ``TORCHREC_PGAS_TRITON_LAUNCH=generic``) sends every launch through Triton."""
+    monkeypatch.setattr(Launcher, "_launch", lambda *a, **k: pytest.fail("the fast path ran"))
+    launcher = Launcher(_kernel, fast=False)
+    for args, kwargs in CALLS:
+        launches.clear()
+        _kernel[(3, 2)](*args, **kwargs)
+        expected = launches[-1]
+        for _ in range(3):
+            launcher[(3, 2)](*args, **kwargs)
+        assert launches[2:] == [("through Triton", None), expected] * 3, (args, kwargs)
+
+
 @triton.jit(do_not_specialize=["n", "m"])
 def _typed_kernel(x_ptr, n: tl.int64, a, m: tl.int64, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0):
     pass
