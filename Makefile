@@ -1,43 +1,43 @@
 # Two dependency sets (see ../shared/DESIGN.md "Where things run"): on a machine with
 # NVIDIA GPUs the CUDA set, and every GPU runs a rank; elsewhere the CPU set and two CPU
-# ranks on the host transport. torchrec goes in with --no-deps because its metadata asks
+# ranks on the host transport. The pins live in pyproject.toml alone: the extra `gpu` or
+# `cpu`, and on CPUs torchrec, installed after it with --no-deps because its metadata asks
 # for the CUDA fbgemm-gpu, which must not sit beside fbgemm-gpu-cpu.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-COMMON_DEPS := tensordict torchmetrics==1.0.3 tqdm pyre-extensions iopath pytest hypothesis \
-	matplotlib numpy triton==3.6.0 nvidia-nvshmem-cu13==3.4.5
-CPU_DEPS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 $(COMMON_DEPS)
-CPU_TORCHREC := torchrec==1.8.0
-GPU_DEPS := torch==2.11.0 fbgemm-gpu==1.6.0 nvshmem4py-cu13==0.4.1 cuda-core $(COMMON_DEPS)
-GPU_TORCHREC := torchrec==1.6.1
-GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+PIP := $(PY) -m pip install -q
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 ifeq ($(GPUS),0)
-DEPS := $(CPU_DEPS)
-TORCHREC := $(CPU_TORCHREC)
+SET := cpu
 NPROC ?= 2
 else
-DEPS := $(GPU_DEPS)
-TORCHREC := $(GPU_TORCHREC)
+SET := gpu
 NPROC ?= $(GPUS)
 endif
+# The requirements pyproject.toml's [tool.torchrec-pgas] says go in without dependencies.
+NO_DEPS = $$($(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["torchrec-pgas"].get("$(SET)-no-deps", []))')
 DEMO_CHECKPOINT ?= .demo_checkpoint
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install test test-gpu bench demo clean
+.PHONY: install test lint test-gpu bench demo clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(DEPS)
-	$(PY) -m pip install -q --no-deps $(TORCHREC)
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PIP) --upgrade pip "setuptools>=68" wheel
+	$(PIP) --no-build-isolation -e ".[$(SET),test,examples]"
+	no_deps="$(NO_DEPS)" && if [ -n "$$no_deps" ]; then $(PIP) --no-deps $$no_deps; fi
 	touch $@
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# ruff's settings are in pyproject.toml.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The GPU tests (2 GPUs and nvshmem4py), and the benchmark suite on every GPU (or two
 # CPU processes): OUT/results.{json,md} and OUT/speedup.png.

@@ -39,6 +39,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator import estimator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 
+from torchrec_pgas.compat import check_versions
 from torchrec_pgas.planner.constraints import check_constraint_sharding_types
 from torchrec_pgas.planner.cost_model import pgas_perf_evaluator
 from torchrec_pgas.planner.layout import PGAS_LAYOUTS, torchrec_layout
@@ -74,6 +75,7 @@ def register() -> None:
         RuntimeError: if the installed TorchRec is outside ``SUPPORTED_TORCHREC_VERSIONS``.
     """
     global _registered
+    check_versions()
     _check_torchrec_version()
     with _lock:
         _registered = True
