@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
-GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 ifeq ($(GPUS),0)
 SET := cpu
 NPROC ?= 2
