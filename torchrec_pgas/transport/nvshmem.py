@@ -8,7 +8,7 @@ a ``PgasTimeoutError`` on the host.
 """
 
 import logging
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -111,14 +111,16 @@ class NvshmemTransport(Transport):
         _users += 1
         triton.knobs.runtime.kernel_load_end_hook = _register_module
         self._live: List[torch.Tensor] = []
-        self._retired: Dict[int, List[torch.Tensor]] = {}
-        self._owners = 0
+        self._owners: Dict[int, Any] = {}  # open owners of symmetric tensors, by id
+        self._retired: Set[int] = set()
+        self._next_owner = 0
+        self._released = False
         try:
-            self.err = self._tensor((4,), torch.int64)
+            self.err = self.symmetric_tensor((4,), torch.int64)
             # Targets for the interface's plain puts and signals, whose kernel always
             # sets a signal word and takes a destination buffer.
-            self._scratch_signals = self._tensor((self.world_size,), torch.int64)
-            self._scratch_bytes = self._tensor((8,), torch.uint8)
+            self._scratch_signals = self.symmetric_tensor((self.world_size,), torch.int64)
+            self._scratch_bytes = self.symmetric_tensor((8,), torch.uint8)
             self._check_peer_access()
         except Exception:
             self._release()
@@ -148,10 +150,14 @@ class NvshmemTransport(Transport):
         return None
 
     def _release(self) -> None:
-        """Frees this transport's symmetric tensors (collective), and finalizes NVSHMEM
-        if it was the last transport."""
+        """Closes every owner of symmetric tensors still open, frees this transport's
+        symmetric tensors (collective), and finalizes NVSHMEM if it was the last
+        transport."""
         global _users
+        self._released = True
         try:
+            for owner in list(self._owners.values()):
+                owner.close()  # forgets its tensors: they are freed below, in order
             torch.cuda.synchronize(self.device)
             for t in self._live:
                 self._nvshmem.free_tensor(t)
@@ -161,35 +167,50 @@ class NvshmemTransport(Transport):
             if not _users:
                 self._nvshmem.finalize()
 
-    def _tensor(self, shape, dtype) -> torch.Tensor:
+    def symmetric_tensor(self, shape, dtype) -> torch.Tensor:
+        """A zeroed symmetric tensor (collective: every rank allocates the same shapes
+        in the same order). It lives until ``free_tensors``, or until the transport
+        closes."""
         t = self._nvshmem.tensor(shape, dtype=dtype)
         t.zero_()
         self._live.append(t)
         return t
 
-    def owner_id(self) -> int:
-        """A number for a new owner of symmetric tensors (call it where every rank
-        allocates, in the same order on every rank)."""
-        self._owners += 1
-        return self._owners
+    def register(self, owner: Any) -> int:
+        """Makes ``owner`` (a ``DeviceBuffers``, anything with ``close``) one whose
+        ``close`` this transport calls from ``reclaim`` once every rank has retired it,
+        or at its own close; returns its id. Call it where every rank allocates, in
+        the same order on every rank."""
+        self._next_owner += 1
+        self._owners[self._next_owner] = owner
+        return self._next_owner
 
-    def retire(self, owner: int, tensors: List[torch.Tensor]) -> None:
-        """Hands back the symmetric tensors of ``owner`` (when its model is garbage
-        collected). Freeing is collective, so it waits for ``reclaim``."""
-        self._retired[owner] = tensors
+    def unregister(self, owner_id: int) -> None:
+        """Forgets an owner that closed."""
+        self._owners.pop(owner_id, None)
+        self._retired.discard(owner_id)
+
+    def retire(self, owner_id: int) -> None:
+        """Marks an owner as unused (when its model is garbage collected). Freeing is
+        collective, so its ``close`` waits for ``reclaim``."""
+        self._retired.add(owner_id)
 
     def reclaim(self) -> None:
-        """Frees what every rank has retired (collective: call it where every rank
-        allocates, such as a new model's first batch), owner by owner in order, so the
-        ranks' heaps stay the same whatever order their garbage collectors ran in."""
+        """Closes the owners every rank has retired (collective: call it where every
+        rank allocates, such as a new model's first batch), owner by owner in order,
+        so the ranks' heaps stay the same whatever order their garbage collectors ran
+        in."""
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, sorted(self._retired), group=self.group)
-        common = sorted(set.intersection(*(set(ids) for ids in everyone)))
-        if common:
-            self._free([t for owner in common for t in self._retired.pop(owner)])
+        for owner_id in sorted(set.intersection(*(set(ids) for ids in everyone))):
+            self._owners[owner_id].close()
 
-    def _free(self, tensors: List[torch.Tensor]) -> None:
-        """Frees symmetric tensors (collective) once this rank's queued work is done."""
+    def free_tensors(self, tensors: List[torch.Tensor]) -> None:
+        """Frees symmetric tensors (collective) once this rank's queued work is done
+        and every rank got here; nothing once the transport is closing (it frees all
+        that is left)."""
+        if self._released:
+            return
         torch.cuda.synchronize(self.device)
         self.barrier()
         for t in tensors:
@@ -200,7 +221,7 @@ class NvshmemTransport(Transport):
     def _check_peer_access(self) -> None:
         """Raises on every rank if some rank cannot map another's memory (collective:
         the others would wait for it in the next collective)."""
-        probe = self._tensor((1,), torch.int64)
+        probe = self.symmetric_tensor((1,), torch.int64)
         missing = [
             pe for pe in range(self.world_size)
             if self._nvshmem.get_peer_tensor(probe, pe) is None
@@ -227,14 +248,14 @@ class NvshmemTransport(Transport):
     # -------------------------------------------------------- Transport API
 
     def alloc(self, nbytes: int) -> SymmetricBuffer:
-        t = self._tensor((max(nbytes, 8),), torch.uint8)
+        t = self.symmetric_tensor((max(nbytes, 8),), torch.uint8)
         return SymmetricBuffer(local=t[:nbytes], handle=t)
 
     def alloc_signals(self, size: int) -> SignalArray:
-        return SignalArray(size=size, handle=self._tensor((size,), torch.int64))
+        return SignalArray(size=size, handle=self.symmetric_tensor((size,), torch.int64))
 
     def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
-        self._free([obj.handle])
+        self.free_tensors([obj.handle])
 
     def _put_chunks(self, buf, peer, offset, src, rows, row_bytes, row_pitch) -> None:
         from torchrec_pgas.kernels.put_signal import put_signal

@@ -1,0 +1,259 @@
+"""The GPU exchange's per-step objects: the lookup batch an owner receives, the route
+a step's output and gradient exchanges need, and what builds them from the ids slots
+(``LookupGroups``, ``FusedTables``, ``StreamScratch``)."""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.kernels.bag_offsets import scan_state
+from torchrec_pgas.kernels.gather_ids import gather_ids
+from torchrec_pgas.kernels.ids_check import NONE
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, IdsSlotLayout, Status
+from torchrec_pgas.sharding.tw_base import TwFeature, route_of
+
+_FLOATS = {torch.float32, torch.float16, torch.bfloat16}
+
+
+@dataclass
+class DeviceRoute:
+    """What the output and gradient exchanges of a step need from its input."""
+
+    # int64 [S * 8 + 4], on the device: every source's header of the step, then the
+    # error record once the step's output has arrived (one read-back for both).
+    record: torch.Tensor
+    my_batch: int  # this rank's batch size as its header reports it
+    # The rows were put by ``lookup_put``, pooled straight from the ids slots of this
+    # step, which go back to their sources with the output's slot (0: not so).
+    ids_step: int = 0
+    divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
+
+
+@dataclass
+class SlotsLookup:
+    """What a lookup that pools straight from a step's ids slots reads (inference;
+    ``DeviceTwExchange.lookup_put``). The slots stay held until then."""
+
+    slots: torch.Tensor  # uint8 [W * slot bytes]: every source's ids slot of the step
+    offsets: torch.Tensor  # int64: the bags' offsets in the slots (``bag_offsets``)
+    step: int  # the ids step
+    stream: int  # the stream the batch was laid out on (a raw handle)
+    route: DeviceRoute
+
+
+@dataclass
+class LookupBatch:
+    """The owner's lookup input of one step: per lookup group, the bag offsets and ids
+    (and weights) of ``bags_per_feature`` bags per feature. ``record`` is the step's
+    (see ``DeviceRoute``).
+
+    Without autograd the groups are left empty at first, and ``from_slots`` says what
+    ``exchange.lookup_put`` reads: it then pools the bags straight from the slots and
+    puts the rows, or fills the groups for TorchRec's lookup."""
+
+    groups: List[KeyedJaggedTensor]
+    record: torch.Tensor
+    bags_per_feature: int
+    exchange: Any = None  # the ``DeviceTwExchange`` that received the batch
+    from_slots: Optional[SlotsLookup] = None
+
+    def lookup_put(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """Pools and puts this batch with ``emb_modules``' tables, if the exchange can;
+        returns None once ``groups`` are filled for TorchRec's lookup instead."""
+        lookup, self.from_slots = self.from_slots, None
+        return self.exchange.lookup_put(self, lookup, emb_modules) if lookup is not None else None
+
+    # TorchRec inspects the input dist's output as a KJT in a few places.
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def stride(self) -> int:
+        return self.bags_per_feature
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for kjt in self.groups:
+            kjt.record_stream(stream)
+        self.record.record_stream(stream)
+        divisor = getattr(route_of(self, "lookup batch"), "divisor", None)
+        if divisor is not None:  # row-wise mean: divides the output on that stream
+            divisor.record_stream(stream)
+
+
+class SendInput(NamedTuple):
+    """A batch as a send's kernels take it."""
+
+    batch: int  # the batch size its header reports
+    problem: Optional[Tuple[Status, Tuple[int, ...]]]  # sent as a bare header if set
+    # Routed to the owners; with a problem, unrouted and only sizes are read.
+    values: torch.Tensor  # int64 ids (as given with a problem)
+    offsets: torch.Tensor
+    lengths: torch.Tensor  # int32 (``narrowed`` until ``ids_check`` wrote it)
+    weights: Optional[torch.Tensor]  # float32
+    checked: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # values, offsets, lengths as given
+    narrowed: Optional[torch.Tensor]  # int32 [lengths]: ``ids_check`` narrows wider lengths into it
+
+
+def send_input(
+    kjt: KeyedJaggedTensor, host_problem: Optional[Tuple[Status, Tuple[int, ...], int]], weighted: bool,
+    routing: Any, device: torch.device,
+) -> SendInput:
+    """``kjt`` for a send: ``host_problem`` is what the host sees wrong with it
+    (``BaseTwExchange._host_problem``), ``routing`` routes its ids to their owners."""
+    batch = kjt.stride()
+    values, weights = kjt.values(), kjt.weights_or_none()
+    problem: Optional[Tuple[Status, Tuple[int, ...]]] = None
+    if host_problem is not None:
+        status, detail, batch = host_problem
+        problem = (status, detail)
+    elif weighted and weights is None:
+        # The kernels would read weights the slots do not hold.
+        problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,))
+    else:
+        # The kernels read raw pointers: dense tensors of the slots' dtypes.
+        values = values.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous() if weights is not None else None
+    lengths, offsets = kjt.lengths().contiguous(), kjt.offsets().contiguous()
+    checked = (values, offsets, lengths)
+    # Slots hold int32 lengths; ids_check narrows wider ones as it checks them.
+    narrowed = None
+    if lengths.dtype != torch.int32:
+        if problem is None:
+            lengths = narrowed = torch.empty(lengths.numel(), dtype=torch.int32, device=device)
+        else:
+            lengths = lengths.to(torch.int32)
+    if problem is None:
+        values, offsets, lengths, weights = routing.route(kjt, values, offsets, lengths, weights)
+    else:
+        offsets, lengths = routing.unrouted(offsets, lengths)
+    return SendInput(batch, problem, values, offsets, lengths, weights, checked, narrowed)
+
+
+class SendScratch(NamedTuple):
+    verdict: torch.Tensor  # int64 [2], see ``ids_check``
+    headers: torch.Tensor  # int64 [W, 8], see ``ids_header``
+    chunks: torch.Tensor  # int64 [W, 3R + 1, 3], see ``ids_header``
+
+
+class StreamScratch:
+    """Device scratch of sends and receives, one per stream: each send's (receive's)
+    kernels are done with it before the next one's on the stream start (one
+    allocation per stream, not per step; steps may come from several streams, such as
+    a training and an evaluation pipeline). ``runs``: ``feature_runs``' table."""
+
+    def __init__(self, runs: torch.Tensor, features: int, layout: IdsSlotLayout, world: int, device: torch.device):
+        self._runs, self._features, self._layout = runs, features, layout
+        self._world, self._dev = world, device
+        self._sends: Dict[int, SendScratch] = {}
+        self._scans: Dict[int, torch.Tensor] = {}
+
+    def send(self, stream: int) -> SendScratch:
+        """The stream's buffers for a send. The ``ids_header`` of the stream's last
+        send left the verdict at ``NONE``."""
+        scratch = self._sends.get(stream)
+        if scratch is None:
+            world, chunks = self._world, 3 * self._runs.size(1) + 1
+            scratch = self._sends[stream] = SendScratch(
+                verdict=torch.full((2,), NONE, dtype=torch.int64, device=self._dev),
+                headers=torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev),
+                chunks=torch.empty(world, chunks, 3, dtype=torch.int64, device=self._dev),
+            )
+        return scratch
+
+    def scan(self, stream: int) -> torch.Tensor:
+        """The stream's ``bag_offsets`` scan state."""
+        scan = self._scans.get(stream)
+        if scan is None:
+            scan = self._scans[stream] = scan_state(self._features, self._world, self._layout, self._dev)
+        return scan
+
+
+class LookupGroups:
+    """Lays a step's ids out as the owner's lookup groups' KJTs (``gather_ids``).
+
+    Args:
+        features: the owner's features, in lookup order.
+        group_sizes: the number of features of each lookup group, in lookup order.
+        weighted: whether the slots hold weights the lookup reads.
+        exact_always: whether the index tensor must hold exactly the batch's ids even
+            without autograd (else it has the slots' capacity and FBGEMM reads only
+            what the offsets cover).
+    """
+
+    def __init__(
+        self, features: Sequence[TwFeature], group_sizes: Sequence[int], weighted: bool, exact_always: bool,
+        layout: IdsSlotLayout, world: int, device: torch.device,
+    ) -> None:
+        self._features, self._sizes = list(features), list(group_sizes)
+        self._first = [sum(self._sizes[:g]) for g in range(len(self._sizes))]
+        self._weighted, self._exact_always = weighted, exact_always
+        self._layout, self._world, self._dev = layout, world, device
+        # Each lookup group's first bag, and the end of the last group's bags.
+        rows = layout.batch_capacity
+        self._bags = [f * world * rows for f in self._first + [len(self._features)]]
+        self._bags_dev = torch.tensor(self._bags, dtype=torch.int64, device=device)
+
+    def kjts(self, slots: torch.Tensor, offsets: torch.Tensor) -> List[KeyedJaggedTensor]:
+        """The lookup groups' KJTs of a step, gathered from its slots."""
+        layout, world, bags = self._layout, self._world, self._bags
+        # FBGEMM's backward sorts the whole index tensor: under autograd it must
+        # hold exactly the batch's ids, the one size this rank then reads back.
+        exact = self._exact_always or torch.is_grad_enabled()
+        if exact:
+            at = offsets.index_select(0, self._bags_dev).tolist()
+        groups = []
+        for g, (first, size) in enumerate(zip(self._first, self._sizes)):
+            lo, hi = bags[g], bags[g + 1]
+            g_offsets = offsets if len(bags) == 2 else offsets[lo : hi + 1] - offsets[lo]
+            n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
+            indices = torch.empty(n, dtype=torch.int64, device=self._dev)
+            weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
+            gather_ids(slots, offsets, indices, weights, first, size, layout, self._weighted)
+            groups.append(
+                KeyedJaggedTensor(
+                    keys=[x.name for x in self._features[first : first + size]],
+                    values=indices,
+                    offsets=g_offsets,
+                    weights=weights if self._weighted else None,
+                    stride=world * layout.batch_capacity,
+                )
+            )
+        return groups
+
+
+class FusedTables:
+    """``lookup_put``'s feature table for the owner's lookup modules: per feature, the
+    address of its table's rows, its dim, its first output column and whether it pools
+    by mean (int64 [features, 4]); built once per set of tables. ``enabled`` goes
+    False for good when the tables cannot be read (see ``rows``)."""
+
+    def __init__(self, enabled: bool, first_col: int, device: torch.device) -> None:
+        self.enabled = enabled
+        self._first_col, self._dev = first_col, device
+        self._key: tuple = ()
+        self._rows = torch.empty(0, 4, dtype=torch.int64, device=device)
+
+    def rows(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """The table, or None if some table is not wholly in device memory (the kernel
+        reads only ``weights_dev``), the groups' weights differ in dtype (one launch
+        reads one dtype), or are quantized (rows with scale and bias, which the kernel
+        does not read)."""
+        tbes = [m.emb_module for m in emb_modules]
+        key = tuple(t.weights_dev.data_ptr() for t in tbes)
+        if key == self._key:
+            return self._rows
+        dtypes = {t.weights_dev.dtype for t in tbes}
+        if any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes) or len(dtypes) > 1 or not dtypes <= _FLOATS:
+            self.enabled = False
+            return None
+        rows, col = [], self._first_col
+        for t in tbes:
+            w, dims, at = t.weights_dev, t.D_offsets.tolist(), t.weights_offsets.tolist()
+            mean = int(t.pooling_mode == PoolingMode.MEAN)
+            rows += [[w.data_ptr() + at[f] * w.element_size(), dims[f + 1] - dims[f], col + dims[f], mean] for f in range(len(dims) - 1)]
+            col += dims[-1]
+        self._key = key
+        self._rows = torch.tensor(rows, dtype=torch.int64, device=self._dev)
+        return self._rows

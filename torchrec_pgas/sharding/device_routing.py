@@ -1,0 +1,144 @@
+"""What differs between the GPU exchanges of the sharding types, given to
+``DeviceTwExchange``'s constructor: how ids are routed to their owners
+(``TableWiseIds``, ``RowBlockIds``), and where owners store pooled rows in a
+requester's output slot (``OutputBlocks``); then the per-rank address tables that
+follow from both and the buffers (``PeerTables``)."""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.kernels.row_buckets import row_buckets
+from torchrec_pgas.transport.device_buffers import DeviceBuffers
+
+Routed = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
+def per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
+    """``pos`` (per input feature of the sharding, owner by owner) cut into each
+    owner's part, ``counts[w]`` features for owner ``w``."""
+    starts = [sum(counts[:w]) for w in range(len(counts))]
+    return [list(pos[s : s + c]) for s, c in zip(starts, counts)]
+
+
+class TableWiseIds:
+    """Table-wise routing: each owner's features are contiguous in the batch already
+    (TorchRec orders the sharding's features by rank), or where ``adopt_input_order``
+    put them; ``counts[w]`` is the number of features of owner ``w``."""
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self._counts = list(counts)
+
+    def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
+        """The batch as it is routed (here: as given)."""
+        return values, offsets, lengths, weights
+
+    def unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Offsets and lengths in the routed layout for a batch that is not routed (it
+        goes as a bare header; only sizes are read from it)."""
+        return offsets, lengths
+
+    def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
+        """Where owner ``owner``'s features, in the order its lookup takes them, are in
+        the routed batch."""
+        return per_owner(self._counts, input_pos)[owner]
+
+
+class RowBlockIds:
+    """Row-wise routing: ids bucketed by row block on the device (``row_buckets``);
+    owner ``r`` gets routed features ``r * F ... (r + 1) * F - 1``, ids local to its
+    block. ``block_sizes``: int64 [F], rows per block of each feature's table."""
+
+    def __init__(self, block_sizes: torch.Tensor, world_size: int) -> None:
+        self._block_sizes = block_sizes
+        self._world = world_size
+        self._features = block_sizes.numel()
+
+    def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
+        """Bad ids land in some bucket (FBGEMM hashes ids past the blocks), but such a
+        batch is sent as its header alone."""
+        if kjt.stride() == 0:  # nothing to bucket
+            return values, offsets, lengths, weights
+        return row_buckets(values, offsets, weights, self._block_sizes, self._world)
+
+    def unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """As if every id went to owner 0: in range of the routed layout, and the first
+        batch sizes the slots by all its ids."""
+        rest = (self._world - 1) * lengths.numel()
+        return (
+            torch.cat([offsets, offsets[-1:].expand(rest)]),
+            torch.cat([lengths, lengths.new_zeros(rest)]),
+        )
+
+    def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
+        return list(range(owner * self._features, (owner + 1) * self._features))
+
+
+@dataclass(frozen=True)
+class OutputBlocks:
+    """Where owners store pooled rows in a requester's output slot, ``[blocks, rows,
+    dim]``: table-wise, one block, each owner at its columns ``col_offsets[o]``; row-
+    wise, one block per owner (``my_block``: this rank's) of full-width partial sums,
+    which the requester's ``output_take`` adds in rank order."""
+
+    blocks: int
+    my_block: int
+    dim: int
+    col_offsets: Sequence[int]
+
+
+class PeerTables:
+    """The per-rank address tables of the kernels, built once: every small tensor op
+    is host time on the critical path of a step.
+
+    * ``out_addrs[g]``: int64 [W], where this rank's block starts in each requester's
+      output slot of generation ``g``; ``my_counts``: int64 [W], word ``me`` of each
+      requester's ``out_count``.
+    * ``out_free_words``: int64 [owners], word ``me`` of each table owner's
+      ``out_free``; ``ids_free_words``: int64 [W], word ``me`` of each source's
+      ``ids_free`` (``output_take`` releases both).
+    * ``grad_dests``: int64 [owners, 5], per table owner ``o``: ``o``, its first
+      column, its columns, where this rank's rows start in its gradient slots, and
+      word ``me`` of its ``grads_count`` (``grads_put``).
+    """
+
+    def __init__(
+        self, buffers: DeviceBuffers, output: OutputBlocks, owners: Sequence[int], dims: Sequence[int], me: int,
+        elem: int,
+    ) -> None:
+        dev, rows = buffers.ids.device, buffers.sizes.rows
+        mine = output.my_block * rows * output.dim * elem
+        self.out_addrs = [buffers.out.peers + g * buffers.out_slot_bytes + mine for g in range(buffers.depth)]
+        self.my_counts = buffers.out_count.peers + me * 8
+        word = 8 * me
+        self.out_free_words = torch.tensor(
+            [buffers.out_free_peers[o] + word for o in owners], dtype=torch.int64, device=dev
+        )
+        self.ids_free_words = torch.tensor([a + word for a in buffers.ids_free_peers], dtype=torch.int64, device=dev)
+        grads, counts = buffers.grads.peers.tolist(), buffers.grads_count.peers.tolist()
+        self.grad_dests = torch.tensor(
+            [
+                [o, output.col_offsets[o], dims[o], grads[o] + me * rows * dims[o] * elem, counts[o] + me * 8]
+                for o in owners
+            ],
+            dtype=torch.int64, device=dev,
+        ).view(-1, 5)
+
+
+def first_batch_sizes(
+    batch_size: int, offsets: torch.Tensor, routed: Sequence[Sequence[int]], group: dist.ProcessGroup,
+    device: torch.device,
+) -> Tuple[int, int]:
+    """The largest batch size and ids per owner of any rank's first batch (collective,
+    and the one device-to-host sync of the set-up)."""
+    ids_per_owner = offsets.new_zeros(1)
+    if batch_size:
+        per_feature = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+        ids_per_owner = torch.stack([per_feature[f].sum() for f in routed])
+    sizes = torch.stack([torch.tensor(batch_size, device=device), ids_per_owner.max()])
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    batch, ids = sizes.tolist()
+    return batch, ids

@@ -1,0 +1,222 @@
+"""The symmetric GPU memory of one sharding's device exchange, with one owner.
+
+NVSHMEM allocations and frees are collective: every rank must make them in the same
+order, so memory cannot simply go when Python drops the last reference (garbage
+collectors run at different times on different ranks). ``DeviceBuffers`` therefore
+owns every symmetric tensor of an exchange and frees them only in ``close``, which
+every rank calls at the same point of its program: explicitly, through the transport
+(``NvshmemTransport.reclaim`` for exchanges whose model was garbage collected, and
+the transport's own ``close`` at exit).
+"""
+
+import weakref
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from torchrec_pgas.kernels.put_signal import arrived, put_signal
+from torchrec_pgas.kernels.signal_wait import signal_wait
+from torchrec_pgas.kernels.signals import WAIT_DATA
+from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
+from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+_WAIT_DATA = WAIT_DATA.value
+
+
+class Symmetric(NamedTuple):
+    """A symmetric tensor and where every rank's copy is in this process."""
+
+    local: torch.Tensor
+    peers: torch.Tensor  # int64 [world]: rank q's copy starts at peers[q]
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """What sizes the buffers (every rank passes the same values, but ``my_grad_dim``).
+
+    Args:
+        ids_slot_bytes: one source's ids slot (``IdsSlotLayout.nbytes``).
+        out_blocks: blocks of an output slot: 1 when owners store at their columns
+            (table-wise), ``world`` when each stores full rows (row-wise partial sums).
+        rows: rows per block and per source (``IdsSlotLayout.batch_capacity``).
+        out_dim: columns of the output.
+        grad_dim: the widest owner's columns, which size a gradient generation.
+        my_grad_dim: this rank's columns, which shape its view of the gradient slots.
+        dtype: dtype of the output and gradient rows.
+    """
+
+    ids_slot_bytes: int
+    out_blocks: int
+    rows: int
+    out_dim: int
+    grad_dim: int
+    my_grad_dim: int
+    dtype: torch.dtype
+
+
+class DeviceBuffers:
+    """The symmetric tensors of one device exchange, ``depth`` generations of each
+    slot (step ``k`` uses generation ``k % depth``; see ``transport/mailbox.py`` for
+    the protocol, which is the same here with every wait and signal on the device).
+    Allocated collectively; ``close`` frees them (collective too).
+
+    ``W`` is the world size, ``D`` the depth, ``R = sizes.rows``, ``E`` the bytes of
+    ``sizes.dtype``. Signal words: word ``q`` of a rank's array is set by rank ``q``.
+
+    * ``ids``: uint8 ``[D * W * ids_slot_bytes]``: per generation, one slot per
+      source (``IdsSlotLayout``: header, lengths, ids, weights), put by the sources.
+    * ``ids_ready``: int64 ``[W]``: counts the put programs of the sources' ids
+      (``arrived(step)`` once step's are all in).
+    * ``ids_free``: int64 ``[W]``: the last step whose ids slot owner ``q`` released.
+    * ``out``: uint8 ``[D * out_blocks * R * out_dim * E]``: per generation, this
+      rank's pooled output, ``[out_blocks, R, out_dim]``, stored by the owners.
+    * ``out_count``: int64 ``[W]``: counts the programs that stored rows for this rank.
+    * ``out_free``: int64 ``[W]``: the last step whose output slot requester ``q``
+      released.
+    * ``grads``: uint8 ``[D * W * R * grad_dim * E]``: per generation, the gradient
+      rows of this owner's lookup, ``[W * R, my_grad_dim]`` (source-major), stored
+      by the requesters; FBGEMM's backward reads them in place.
+    * ``grads_count``: int64 ``[W]``: counts the programs that stored gradient rows.
+    * ``grads_free``: int64 ``[W]``: the last step whose gradient slots owner ``q``
+      released.
+    * ``err``: int64 ``[4]``, the transport's error record (code, peer, what,
+      target), shared with every exchange of the transport and not freed here: a
+      timed-out wait is reported by whichever check comes next.
+
+    The ``*_peers`` tables are int64 ``[W]`` addresses of each rank's copy, for the
+    kernels that store into peers' memory. Step bookkeeping: ``held`` is the ids step
+    whose slots are kept after its receive, for a lookup that pools straight from them
+    (``hold``, ``release_held``, ``hand_over``).
+    """
+
+    def __init__(self, transport: NvshmemTransport, sizes: BufferSizes, depth: int = DEFAULT_DEPTH) -> None:
+        t, world = transport, transport.world_size
+        self.sizes, self.depth = sizes, depth
+        self._t, self._me, self._dev = t, t.rank, t.device
+        elem = torch.empty((), dtype=sizes.dtype).element_size()
+        self.out_slot_bytes = sizes.out_blocks * sizes.rows * sizes.out_dim * elem
+        self.grad_slot_bytes = world * sizes.rows * sizes.grad_dim * elem
+        # The allocation order is part of the collective contract: keep it.
+        self.ids = t.symmetric_tensor((depth * world * sizes.ids_slot_bytes,), torch.uint8)
+        self.ids_ready = t.symmetric_tensor((world,), torch.int64)
+        self.ids_free = t.symmetric_tensor((world,), torch.int64)
+        self.out = self._with_peers((depth * self.out_slot_bytes,), torch.uint8)
+        self.out_count = self._with_peers((world,), torch.int64)
+        self.out_free = t.symmetric_tensor((world,), torch.int64)
+        self.grads = self._with_peers((depth * self.grad_slot_bytes,), torch.uint8)
+        self.grads_count = self._with_peers((world,), torch.int64)
+        self.grads_free = t.symmetric_tensor((world,), torch.int64)
+        self.err = t.err
+        self.out_free_peers: List[int] = t.peer_addresses(self.out_free).tolist()
+        self.ids_free_peers: List[int] = t.peer_addresses(self.ids_free).tolist()
+        self.held: Optional[int] = None
+        self.all_ranks = torch.arange(world, dtype=torch.int32, device=self._dev)
+        self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
+        self._views(sizes, elem)
+        self._finalizer: Optional[weakref.finalize] = None
+        self.owner_id = t.register(self)
+        self._closed = False
+
+    def _with_peers(self, shape, dtype) -> Symmetric:
+        local = self._t.symmetric_tensor(shape, dtype)
+        return Symmetric(local, self._t.peer_addresses(local))
+
+    def _views(self, sizes: BufferSizes, elem: int) -> None:
+        """Per generation: every source's ids slots (uint8), the output
+        ``[out_blocks, R, out_dim]`` and the gradient ``[W * R, my_grad_dim]``."""
+        world, rows, depth = self._t.world_size, sizes.rows, self.depth
+        self.ids_slots = [self.ids[self.slot_offset(0, g) : self.slot_offset(world, g)] for g in range(depth)]
+        self.out_views = [
+            self.out.local[g * self.out_slot_bytes : (g + 1) * self.out_slot_bytes]
+            .view(sizes.dtype)
+            .view(sizes.out_blocks, rows, sizes.out_dim)
+            for g in range(depth)
+        ]
+        mine, g_bytes = world * rows * sizes.my_grad_dim * elem, self.grad_slot_bytes
+        self.grad_views = [
+            self.grads.local[g * g_bytes : g * g_bytes + mine].view(sizes.dtype).view(world * rows, sizes.my_grad_dim)
+            for g in range(depth)
+        ]
+
+    def slot_offset(self, source: int, step: int) -> int:
+        """Byte offset of ``source``'s ids slot for ``step`` in every rank's ``ids``
+        (as ``Mailbox.slot_offset``)."""
+        return ((step % self.depth) * self._t.world_size + source) * self.sizes.ids_slot_bytes
+
+    def slots(self, step: int) -> torch.Tensor:
+        """Every source's ids slot of ``step`` (uint8, source-major; ``Mailbox.slot``
+        for all sources at once)."""
+        return self.ids_slots[step % self.depth]
+
+    # ------------------------------------------------ waits and releases (device)
+
+    def wait(self, step: int) -> None:
+        """Enqueues a wait until every source's ids of ``step`` are in (as ``Mailbox.wait``)."""
+        signal_wait(self.ids_ready, self.all_ranks, arrived(step), self.err, _WAIT_DATA, self._t.timeout_ns)
+
+    def release(self, step: int) -> None:
+        """Gives every source its ids slot of ``step`` back (as ``Mailbox.release``)."""
+        self._signal(self.ids_free, step)
+
+    def hold(self, step: int) -> None:
+        """Keeps the ids slots of ``step`` after its receive, for the lookup."""
+        self.held = step
+
+    def release_held(self) -> None:
+        """Releases the held ids slots (their lookup, or their output, will not come)."""
+        if self.held is not None:
+            self.release(self.held)
+            self.held = None
+
+    def hand_over(self, step: int) -> int:
+        """``step`` if its ids slots are still held, which the caller's kernel then
+        releases (the hold ends); 0 otherwise."""
+        if step and step == self.held:
+            self.held = None
+            return step
+        return 0
+
+    def wait_grads(self, target: int) -> None:
+        """Enqueues a wait until every source has stored ``target`` gradient programs."""
+        signal_wait(self.grads_count.local, self.all_ranks, target, self.err, _WAIT_DATA, self._t.timeout_ns)
+
+    def release_grads(self, step: int) -> None:
+        """Gives every requester this owner's gradient slots of ``step`` back."""
+        self._signal(self.grads_free, step)
+
+    def _signal(self, sig: torch.Tensor, step: int) -> None:
+        """Sets word ``me`` of ``sig`` at every rank to ``step`` (a put_signal with no
+        data: its destination buffer is never written)."""
+        put_signal(self.all_ranks, self._no_chunks, self.ids, sig, sig, self.err, self._me, step, 0, self._t.timeout_ns)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def free_when_collected(self, obj: object) -> None:
+        """When ``obj`` (the exchange) is garbage collected, hands these buffers to
+        the transport, which closes them at its next ``reclaim`` (collective)."""
+        self._finalizer = weakref.finalize(obj, self._t.retire, self.owner_id)
+
+    def close(self) -> None:
+        """Frees the buffers (collective: every rank calls it at the same point; it
+        waits for this rank's queued work and for every rank). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        tensors = [self.ids, self.ids_ready, self.ids_free, self.out.local, self.out_count.local,
+                   self.out_free, self.grads.local, self.grads_count.local, self.grads_free]
+        self.ids_slots, self.out_views, self.grad_views = [], [], []
+        self._t.free_tensors(tensors)
+        self._t.unregister(self.owner_id)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "DeviceBuffers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
