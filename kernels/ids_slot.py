@@ -22,6 +22,11 @@ import torch
 
 HEADER_WORDS = 8
 
+#: The least capacity a slot has, whatever the first batch: a first batch smaller than
+#: the steady state (an empty one, a warm-up) must not size the buffers for good.
+MIN_BATCH_CAPACITY = 64
+MIN_IDS_CAPACITY = 1024
+
 
 class Status(IntEnum):
     """What a source reports in a slot header, with the meaning of the detail words."""
@@ -33,7 +38,8 @@ class Status(IntEnum):
     OVER_CAPACITY = 2
     #: detail = (feature index with a negative length, or -1 when the lengths do not
     #: add up to the number of values or to features x batch size, or -2 when the
-    #: weights are not one per value: then (-2, number of weights, number of values))
+    #: weights are not one per value: then (-2, number of weights, number of values),
+    #: or -3 when the values, lengths or weights are not 1-D: then (-3, their dims))
     BAD_LENGTHS = 3
     #: the KJT has a variable batch size per feature (VBE), which is not supported
     VARIABLE_BATCH = 4
@@ -42,6 +48,10 @@ class Status(IntEnum):
     #: the batch's features are not the plan's; detail = (first position that differs,
     #: features sent, features expected)
     UNKNOWN_FEATURES = 6
+    #: the source could not prepare its batch (any other error, or a problem the sharded
+    #: module found); detail = (bytes of the message, 0, 0): the message, UTF-8, is in
+    #: the slot's ids, so every rank can raise with it
+    FAILED = 7
 
 
 class BadDtype(IntEnum):
@@ -88,11 +98,12 @@ class IdsSlotLayout:
     def for_batch(
         max_features: int, batch_size: int, num_ids: int, headroom: float
     ) -> "IdsSlotLayout":
-        """Capacities ``headroom`` times the given batch (at least one sample and id)."""
+        """Capacities ``headroom`` times the given batch, and at least
+        ``MIN_BATCH_CAPACITY`` samples and ``MIN_IDS_CAPACITY`` ids."""
         return IdsSlotLayout(
             max_features=max_features,
-            batch_capacity=max(1, math.ceil(batch_size * headroom)),
-            ids_capacity=max(1, math.ceil(num_ids * headroom)),
+            batch_capacity=max(MIN_BATCH_CAPACITY, math.ceil(batch_size * headroom)),
+            ids_capacity=max(MIN_IDS_CAPACITY, math.ceil(num_ids * headroom)),
         )
 
     @functools.cached_property
@@ -126,11 +137,23 @@ class IdsSlotLayout:
     def weights(self, slot: torch.Tensor, count: int) -> torch.Tensor:
         return slot[self.weights_offset : self.weights_offset + 4 * count].view(torch.float32)
 
+    def encode_text(self, message: str) -> torch.Tensor:
+        """``message`` as ``Status.FAILED`` carries it in the ids (cut to fit)."""
+        data = message.encode("utf-8")[: 8 * self.ids_capacity]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
-def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLayout) -> str:
+    def text(self, slot: torch.Tensor, nbytes: int) -> str:
+        """The message of a ``Status.FAILED`` slot."""
+        data = slot[self.ids_offset : self.ids_offset + min(nbytes, 8 * self.ids_capacity)]
+        return bytes(data.cpu().tolist()).decode("utf-8", errors="replace")
+
+
+def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLayout, text: str = "") -> str:
     """The message for a header whose status is not ``OK`` (``features`` are the
-    sharding's ``TwFeature`` in order)."""
+    sharding's ``TwFeature`` in order; ``text`` is a ``Status.FAILED`` slot's message)."""
     d = header.detail
+    if header.status == Status.FAILED:
+        return f"rank {source} could not send its batch: {text or '(see that rank)'}"
     if header.status == Status.ID_OUT_OF_RANGE:
         f = features[d[0]]
         return (
@@ -141,9 +164,12 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
         return (
             f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
             f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
-            f"the buffers are sized at the first batch times PgasOptions.headroom; "
+            f"the buffers are sized at the first batch times PgasOptions.headroom "
+            f"(at least {MIN_BATCH_CAPACITY} samples and {MIN_IDS_CAPACITY} ids); "
             f"raise headroom"
         )
+    if header.status == Status.BAD_LENGTHS and d[0] == -3:
+        return f"rank {source} sent a KJT whose values, lengths or weights are not 1-D ({d[1]} dimensions)"
     if header.status == Status.BAD_LENGTHS and d[0] == -2:
         return f"rank {source} sent a KJT whose weights and values disagree ({d[1]} weights for {d[2]} values)"
     if header.status == Status.BAD_LENGTHS:

@@ -32,15 +32,51 @@ from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.kernels.ids_slot import Status
-from torchrec_pgas.sharding.tw_base import PgasInputError, dtype_problem, shape_problem
+from torchrec_pgas.sharding.tw_base import PgasInputError, dtype_problem, shape_problem, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
+def _batch_problem(features: KeyedJaggedTensor, keys: Optional[List[str]], features_needed: List[str]) -> Optional[str]:
+    """What TorchRec's input dist would crash on, raise on one rank only, or serve
+    wrongly in ``features``, said as "its ...", or None. ``keys``: the features of
+    the module's first batch, whose order TorchRec's permute keeps for good (None
+    before it); ``features_needed``: the module's. Reads the lengths (their minimum
+    and sum), as TorchRec's permute does."""
+    got = list(features.keys())
+    if len(set(got)) != len(got):
+        return f"features {got} name a feature twice"
+    if keys is not None and got != keys:
+        return f"features {got} are not those of the first batch, in its order: {keys}"
+    missing = [f for f in features_needed if f not in got]
+    if missing:
+        return f"features {got} lack the model's {missing}"
+    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+    for name, tensor in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if tensor is not None and tensor.dim() != 1:
+            return f"{name} are {tensor.dim()}-D, not 1-D"
+    if values.dtype not in (torch.int32, torch.int64):
+        return f"ids are {values.dtype}, not integers"
+    if lengths.dtype not in (torch.int32, torch.int64):
+        return f"lengths are {lengths.dtype}, not integers"
+    if weights is not None and not weights.is_floating_point():
+        return f"weights are {weights.dtype}, not floating point"
+    if weights is not None and weights.numel() != values.numel():
+        return f"{weights.numel()} weights are not one per value ({values.numel()} values)"
+    if features.variable_stride_per_key():
+        return None  # the PGAS exchanges refuse it, on every rank
+    if lengths.numel() != len(got) * features.stride():
+        return f"{lengths.numel()} lengths are not one per feature and sample ({len(got)} x {features.stride()})"
+    if lengths.numel() and int(lengths.min()) < 0:
+        first = int(torch.nonzero(lengths < 0)[0, 0])
+        return f"lengths are negative (feature '{got[first // features.stride()]}': {int(lengths[first])})"
+    if int(lengths.sum()) != values.numel():
+        return f"lengths add up to {int(lengths.sum())}, not to the {values.numel()} values"
+    return None
+
+
 def _input_problem(features: KeyedJaggedTensor) -> Optional[Tuple[Status, Tuple[int, ...]]]:
-    """What TorchRec's permute and split of ``features`` would trip over or hide: ids
-    or weights of a wrong dtype, tensors of sizes that disagree, lengths that do not
-    add up to the values. The sum costs nothing: the permute reads the same per-key
-    lengths."""
+    """The problems of ``features`` that a slot header names itself (see
+    ``_left_to_the_exchange``), as the header reports them."""
     bad_dtype = dtype_problem(features.values(), features.weights_or_none())
     if bad_dtype is not None:
         return Status.BAD_DTYPE, (bad_dtype,)
@@ -52,16 +88,21 @@ def _input_problem(features: KeyedJaggedTensor) -> Optional[Tuple[Status, Tuple[
     return None
 
 
-def _empty_like(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """A batch of the same features and batch size with every bag empty."""
-    device = features.lengths().device
-    weights = features.weights_or_none()
+def _left_to_the_exchange(features: KeyedJaggedTensor) -> bool:
+    """Whether ``features`` has a problem the exchange reports itself, with its own
+    message: ids or weights of a wrong dtype, sizes that disagree, lengths that do
+    not add up to the values."""
+    return _input_problem(features) is not None
+
+
+def _empty_batch(keys: List[str]) -> KeyedJaggedTensor:
+    """A batch of no samples with the features ``keys``: what a PGAS sharding is given
+    in place of a batch it reports a problem for."""
     return KeyedJaggedTensor(
-        keys=features.keys(),
-        values=torch.empty(0, dtype=torch.int64, device=device),
-        lengths=torch.zeros(len(features.keys()) * features.stride(), dtype=torch.int64, device=device),
-        weights=None if weights is None else torch.empty(0, device=device),
-        stride=features.stride(),
+        keys=keys,
+        values=torch.empty(0, dtype=torch.int64),
+        lengths=torch.empty(0, dtype=torch.int64),
+        stride=0,
     )
 
 
@@ -80,6 +121,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._refuse_mean_across_row_wise_kinds()
         # Whether batches go to the one PGAS sharding as they are (decided on the first).
         self._pgas_direct: Optional[bool] = None
+        # The features of the first batch TorchRec's input dist took, in its order.
+        self._batch_keys: Optional[List[str]] = None
 
     def _refuse_mean_across_row_wise_kinds(self) -> None:
         """TorchRec divides its whole output by one mean divisor when a table of its
@@ -137,26 +180,72 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[Any]]:
-        # A batch TorchRec cannot split faithfully is replaced by an empty one, and
-        # every PGAS sharding reports the problem with its next send, so every rank
-        # raises at the end of this step instead of one rank failing alone.
+        """TorchRec's input dist, after a check of the batch on the host: a problem
+        found on one rank becomes the same ``PgasInputError`` on every rank, for this
+        step, before TorchRec's code touches the batch (its permute would read out of
+        bounds at a negative length, and a rank that raised alone would leave its peers
+        waiting, or serving its next batch). Modules that run TorchRec's own sharding
+        types agree on it by one small collective; modules of PGAS types only send the
+        problem in place of the batch (their exchanges raise it on every rank)."""
         if self._pgas_direct is None:
             self._pgas_direct = self._adopt_input_order(features)
         if self._pgas_direct and isinstance(features, KeyedJaggedTensor):
             return self._direct_input_dist(ctx, features)
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
-        problem = _input_problem(features) if pgas and isinstance(features, KeyedJaggedTensor) else None
-        if problem is None:
+        if not pgas or not isinstance(features, KeyedJaggedTensor):
             return super().input_dist(ctx, features)
-        for sharding in pgas:
-            sharding.report_input_problem(*problem)
-        try:
-            return super().input_dist(ctx, _empty_like(features))
-        finally:
-            # Each send took its report; one that failed before sending must not pass
-            # the report on to the next batch.
+        problem = self._first_batch_problem(features) or _batch_problem(
+            features, self._batch_keys, [f for s in self._embedding_shardings for f in s.feature_names()]
+        )
+        if len(pgas) < len(self._embedding_shardings):
+            self._raise_on_every_rank(problem)
+        elif problem is not None:
+            # The PGAS shardings send the problem for this step, in place of the batch:
+            # as its header status where one names it, else as a message.
+            report = _input_problem(features)
             for sharding in pgas:
-                sharding.report_input_problem(None, None)
+                sharding.report_input_problem(*(report or (Status.FAILED, (f"its {problem}",))))
+            try:
+                return super().input_dist(ctx, _empty_batch(self._batch_keys or self._sharding_feature_names()))
+            finally:
+                # Each send took its report; one that failed before sending must not pass
+                # the report on to the next batch.
+                for sharding in pgas:
+                    sharding.report_input_problem(None, None)
+        if self._batch_keys is None:
+            self._batch_keys = list(features.keys())
+        if not features.variable_stride_per_key():
+            # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights.
+            features = with_float32_weights(features)
+        return super().input_dist(ctx, features)
+
+    def _sharding_feature_names(self) -> List[str]:
+        return [f for s in self._embedding_shardings for f in s.feature_names()]
+
+    def _first_batch_problem(self, features: KeyedJaggedTensor) -> Optional[str]:
+        """TorchRec's validation of the first batch, which raises on that rank alone."""
+        if not self._has_uninitialized_input_dist or features.variable_stride_per_key():
+            return None
+        try:
+            validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
+        except Exception as e:
+            return f"first batch fails TorchRec's validation ({e})"
+        return None
+
+    def _raise_on_every_rank(self, problem: Optional[str]) -> None:
+        """Raises the same ``PgasInputError`` on every rank if any rank has a problem;
+        one all_reduce of one number, and a gather of the messages if any."""
+        pg = self._env.process_group
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(problem is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        if not int(flag.item()):
+            return
+        everyone: List[Optional[str]] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(everyone, problem, group=pg)
+        raise PgasInputError(
+            "; ".join(f"rank {r} sent a batch whose {p}" for r, p in enumerate(everyone) if p is not None)
+        )
 
     def _direct_input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
@@ -194,7 +283,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # one: here every rank learns of it (a problem the exchange reports itself, such
         # as lengths that disagree with the values, is left to the exchange).
         invalid = None
-        if eligible and self._has_uninitialized_input_dist and _input_problem(features) is None:
+        if eligible and self._has_uninitialized_input_dist and not _left_to_the_exchange(features):
             try:
                 validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
             except ValueError as e:

@@ -5,8 +5,11 @@ output dists are ``dists.py``'s, driven by an exchange the subclass builds on fi
 use in ``_make_exchange``.
 """
 
+import dataclasses
 import os
 from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -76,16 +79,41 @@ class PgasShardingMixin:
         self._options = options or PgasOptions()
         self._out_dtype = output_dtype(sharding_infos)
         self._exchange: Any = None
+        self._setup_error: Optional[BaseException] = None
 
     def _make_exchange(self, device: torch.device) -> Any:
         raise NotImplementedError
 
     def _get_exchange(self, device: Optional[torch.device]) -> Any:
         # Created on first use, collectively: every rank builds its dists in the
-        # same order.
+        # same order. A set-up that failed is not retried (its peers would not take
+        # part again): every later call raises its error.
+        if self._setup_error is not None:
+            raise RuntimeError(f"{self.pgas_name}: set-up failed earlier: {self._setup_error}") from self._setup_error
         if self._exchange is None:
-            self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
+            try:
+                self._check_options_agree()
+                self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
+            except BaseException as e:
+                self._setup_error = e
+                raise
         return self._exchange
+
+    def _check_options_agree(self) -> None:
+        """Raises on every rank if the ranks' ``PgasOptions`` differ, naming the fields:
+        buffers sized from different options would not match (one collective, once)."""
+        everyone: List[Any] = [None] * dist.get_world_size(self._pg)  # type: ignore[attr-defined]
+        dist.all_gather_object(everyone, dataclasses.asdict(self._options), group=self._pg)  # type: ignore[attr-defined]
+        differing = [
+            f"{name} ({', '.join(f'rank {r}: {o[name]!r}' for r, o in enumerate(everyone))})"
+            for name in everyone[0]
+            if any(o[name] != everyone[0][name] for o in everyone)
+        ]
+        if differing:
+            raise ValueError(
+                f"{self.pgas_name}: PgasOptions differ across ranks in {'; '.join(differing)}: "
+                f"pass every rank the same options"
+            )
 
     def adopt_input_order(self, keys: List[str]) -> bool:
         """See ``BaseTwExchange.adopt_input_order``."""

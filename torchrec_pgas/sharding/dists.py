@@ -23,6 +23,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.tw_base import attach_route, route_of
+from torchrec_pgas.transport import PgasError
 
 T = TypeVar("T")
 
@@ -50,6 +51,24 @@ class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
         return self._exchange.recv_ids(self._step)
 
 
+def send_ids(exchange: Any, kjt: KeyedJaggedTensor) -> int:
+    """``exchange.send_ids(kjt)``; if preparing the send raises on this rank (any
+    error the exchange's own checks did not foresee), the step is sent anyway, as a
+    report of that error: every rank then raises it for this step, and the next batch
+    is the next step on every rank. Errors of the transport, and a send already made,
+    are not retried: the step is lost to every rank alike."""
+    sent = exchange.sent_steps
+    try:
+        return exchange.send_ids(kjt)
+    except PgasError:
+        raise
+    except Exception as e:
+        if exchange.sent_steps != sent:
+            raise
+        exchange.fail_next_send(e)
+        return exchange.send_ids(kjt)
+
+
 class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     """Puts each owner's features into its per-source slot; no splits exchange."""
 
@@ -60,13 +79,13 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def forward(
         self, sparse_features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        step = self._exchange.send_ids(sparse_features)
+        step = send_ids(self._exchange, sparse_features)
         return _Done(_ReceiveIds(self._exchange, step))
 
     def send_and_receive(self, sparse_features: KeyedJaggedTensor) -> Any:
         """``forward`` and both waits in one call: this rank's lookup input."""
         with torch.no_grad():  # as TorchRec's input dists run
-            step = self._exchange.send_ids(sparse_features)
+            step = send_ids(self._exchange, sparse_features)
         return self._exchange.recv_ids(step)
 
 

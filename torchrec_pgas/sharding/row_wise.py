@@ -39,6 +39,26 @@ def _refuse_empty_shards_beside_other_dims(configs_per_rank: List[List[Any]]) ->
                 )
 
 
+def _refuse_ranks_without_rows(configs_per_rank: List[List[Any]]) -> None:
+    """A rank that holds no row of any table (every table has fewer rows than ranks)
+    has no lookup to run, which FBGEMM does not take: refuse the plan on every rank
+    (it is the same on every rank) rather than fail on that rank alone."""
+    tables = [t for config in configs_per_rank[0] for t in config.embedding_tables] if configs_per_rank else []
+    empty = [
+        rank
+        for rank, configs in enumerate(configs_per_rank)
+        if not any(t.local_rows > 0 for config in configs for t in config.embedding_tables)
+    ]
+    if empty:
+        small = [t.name for t in tables if t.num_embeddings < len(configs_per_rank)]
+        raise ValueError(
+            f"{PGAS_ROW_WISE}: ranks {empty} get no rows of any table (row blocks are "
+            f"ceil(rows / world size) = ceil(rows / {len(configs_per_rank)}), and tables {small} "
+            f"have fewer rows than ranks); give a {PGAS_ROW_WISE} table at least as many "
+            f"rows as ranks, or shard the small ones {PGAS_TABLE_WISE}"
+        )
+
+
 class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding):
     """``pgas_row_wise`` sharding of an ``EmbeddingBagCollection`` (arguments: see
     ``PgasShardingMixin``)."""
@@ -49,6 +69,7 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _refuse_ranks_without_rows(self._grouped_embedding_configs_per_rank)
         if self._device is None or self._device.type == "cpu":
             _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
 

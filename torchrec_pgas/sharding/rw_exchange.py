@@ -23,7 +23,7 @@ import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import TwFeature, shape_problem
+from torchrec_pgas.sharding.tw_base import TwFeature, shape_problem, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import Route, TwExchange
 from torchrec_pgas.transport import Transport
 
@@ -44,7 +44,8 @@ class MeanAfterSum:
         self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        divisor = self._divisor(kjt)
+        # A send that reports a failure must not trip over the batch again.
+        divisor = None if self._failure is not None else self._divisor(kjt)  # type: ignore[attr-defined]
         step = super().send_ids(kjt)  # type: ignore[misc]
         # After the send: a send that raises leaves no divisor without a step.
         self._divisors.append(divisor)
@@ -61,7 +62,7 @@ class MeanAfterSum:
             return None
         weights = kjt.weights_or_none()
         if weights is not None and weights.is_floating_point():
-            lengths = torch.ops.fbgemm.segment_sum_csr(1, kjt.offsets().int(), weights)
+            lengths = torch.ops.fbgemm.segment_sum_csr(1, kjt.offsets().int(), weights.to(torch.float32))
         else:
             lengths = kjt.lengths().clone()
         for feature in self._sum_features:
@@ -131,7 +132,7 @@ class RwExchange(MeanAfterSum, TwExchange):
         """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
         with ids local to its block."""
         bucketized, _ = bucketize_kjt_before_all2all(
-            kjt, num_buckets=self._t.world_size, block_sizes=self._block_sizes
+            with_float32_weights(kjt), num_buckets=self._t.world_size, block_sizes=self._block_sizes
         )
         return bucketized
 

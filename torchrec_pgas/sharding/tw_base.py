@@ -66,6 +66,18 @@ class BaseTwExchange:
         self._layout: Optional[IdsSlotLayout] = None
         self._send_step = self._recv_step = self._out_step = self._grad_step = 0
         self._reported: Optional[Tuple[Status, Tuple[int, ...]]] = None
+        # A message to send with ``Status.FAILED`` (the next send's), and this rank's
+        # error behind the last one sent, raised as the cause on this rank.
+        self._failure: Optional[str] = None
+        self._sending = ""
+        self._failure_cause: Optional[BaseException] = None
+        # The error of a set-up (buffers) that failed: every later call raises it.
+        self._setup_error: Optional[BaseException] = None
+
+    @property
+    def sent_steps(self) -> int:
+        """How many steps this rank has sent."""
+        return self._send_step
 
     def _divided(self, grad: torch.Tensor, divide: bool) -> torch.Tensor:
         """``grad`` divided in place by the world size if ``divide`` (TorchRec's
@@ -118,17 +130,45 @@ class BaseTwExchange:
         first = next((i for i, (a, b) in enumerate(zip(keys, expected)) if a != b), min(len(keys), len(expected)))
         return first, len(keys), len(expected)
 
-    def _raise_for_bad_headers(self, headers: Sequence[Header], step: int) -> None:
+    def _raise_for_bad_headers(self, headers: Sequence[Header], step: int, texts: Sequence[str] = ()) -> None:
         """Raises, naming every source that sent a bad batch; the same on every rank,
-        since every rank got the same headers."""
+        since every rank got the same headers (``texts``: the messages of
+        ``Status.FAILED`` slots, by source). On a rank whose own send failed, the
+        error it hit is the cause."""
         assert self._layout is not None
+        texts = list(texts) or [""] * len(headers)
         errors = [
-            describe(source, h, self._input_features, self._layout)
+            describe(source, h, self._input_features, self._layout, texts[source])
             for source, h in enumerate(headers)
             if h.status != Status.OK
         ]
+        cause, self._failure_cause = self._failure_cause, None
         if errors:
-            raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors))
+            raise PgasInputError(f"{self._name} step {step}: " + "; ".join(errors)) from cause
+
+    def fail_next_send(self, error: BaseException) -> None:
+        """Makes the next send report ``error`` (``Status.FAILED``, with its type and
+        message) instead of the batch it is given: called when preparing a send
+        raised, so every rank raises for this step rather than the peers waiting for a
+        send that never comes (and taking this rank's next batch for it)."""
+        self._failure = f"{type(error).__name__}: {error}"
+        self._failure_cause = error
+
+    def _allocate_once(self, *args: Any) -> None:
+        """``_allocate(*args)``, remembering its error: a set-up that failed leaves no
+        buffers, and every later call raises the original error rather than tripping
+        over the missing buffers."""
+        if self._setup_error is not None:
+            raise PgasError(f"{self._name}: the exchange's set-up failed earlier: {self._setup_error}") from self._setup_error
+        try:
+            self._allocate(*args)
+        except BaseException as e:
+            self._setup_error = e
+            self._layout = None
+            raise
+
+    def _allocate(self, *args: Any) -> None:
+        raise NotImplementedError
 
     # ------------------------------------------------ steps sent but not received
 
@@ -158,8 +198,19 @@ class BaseTwExchange:
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[int, ...]]) -> None:
         """Makes the next send report ``status`` for its batch: the sharded module
         found the problem in the batch it was given, before TorchRec split it (None
-        withdraws a report no send took)."""
+        withdraws a report no send took). ``Status.FAILED`` takes the message as its
+        detail: ``(message,)``."""
+        if status == Status.FAILED:
+            self._failure = str((detail or ("",))[0])
+            self._failure_cause = None
+            return
+        if status is None:
+            self._failure = None
         self._reported = None if status is None else (status, detail or ())
+
+    def _failure_text(self, layout: IdsSlotLayout) -> torch.Tensor:
+        """The message bytes of the ``Status.FAILED`` send being made."""
+        return layout.encode_text(self._sending)
 
     def _host_problem(self, kjt: Any) -> Optional[Tuple[Status, Tuple[int, ...], int]]:
         """What is wrong with ``kjt`` that the host sees without reading its data (or
@@ -167,6 +218,12 @@ class BaseTwExchange:
         Such a batch is sent as a bare header, so that every rank raises; a batch whose
         shape cannot be trusted reports batch size 0, which keeps every kernel and copy
         off its data."""
+        if self._failure is not None:
+            # Taken here, so one failure fails one send; the message is the send's to
+            # put (``failure_text``), a send that puts none reports it without.
+            self._sending, self._failure = self._failure, None
+            self._reported = None
+            return Status.FAILED, (0,), 0
         if self._reported is not None:
             (status, detail), self._reported = self._reported, None
             return status, detail, 0
@@ -185,10 +242,26 @@ class BaseTwExchange:
 
 
 
+def with_float32_weights(kjt: Any) -> Any:
+    """``kjt`` with its per-sample weights as the slots store them, float32 (FBGEMM's
+    bucketize and permute take no half-precision weights); ``kjt`` itself if they are
+    already, or if it has none."""
+    weights = kjt.weights_or_none()
+    if weights is None or weights.dtype == torch.float32:
+        return kjt
+    return type(kjt)(
+        keys=kjt.keys(), values=kjt.values(), weights=weights.to(torch.float32),
+        lengths=kjt.lengths(), stride=kjt.stride(),
+    )
+
+
 def shape_problem(kjt: Any) -> Optional[Tuple[int, ...]]:
     """``Status.BAD_LENGTHS``'s detail if ``kjt``'s tensors have sizes that disagree
     (read from their shapes: no sync), else None."""
     values, weights = kjt.values(), kjt.weights_or_none()
+    for tensor in (values, kjt.lengths(), weights):
+        if tensor is not None and tensor.dim() != 1:
+            return -3, tensor.dim()
     if weights is not None and weights.numel() != values.numel():
         return -2, weights.numel(), values.numel()
     if not kjt.variable_stride_per_key() and kjt.lengths().numel() != len(kjt.keys()) * kjt.stride():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route, with_float32_weights
 from torchrec_pgas.transport import Mailbox
 
 
@@ -57,18 +57,17 @@ class TwExchange(BaseTwExchange):
         sizes = torch.tensor([batch_size, max_ids], dtype=torch.int64)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
         max_features = max(len(f) for f in self._features_per_rank)
-        self._layout = IdsSlotLayout.for_batch(
-            max_features, int(sizes[0]), int(sizes[1]), self._headroom
-        )
+        layout = IdsSlotLayout.for_batch(max_features, int(sizes[0]), int(sizes[1]), self._headroom)
         elem = self._elem
-        rows = self._layout.batch_capacity
-        self._ids = Mailbox(self._t, self._layout.nbytes, True, f"{self._name} ids")
+        rows = layout.batch_capacity
+        self._ids = Mailbox(self._t, layout.nbytes, True, f"{self._name} ids")
         self._out = Mailbox(
             self._t, rows * self._dim_total * elem, self._partial_sums, f"{self._name} pooled rows"
         )
         self._grads = Mailbox(
             self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients"
         )
+        self._layout = layout  # last: set only once every buffer is
 
     # ------------------------------------------------------------ ids forward
 
@@ -101,58 +100,63 @@ class TwExchange(BaseTwExchange):
         """``kjt`` with each owner's features contiguous, owner by owner: the
         sharding's order, in which TorchRec orders features by rank (a batch in the
         order ``adopt_input_order`` took is permuted into it)."""
-        return kjt.permute(self._input_pos) if self._reordered else kjt
+        return with_float32_weights(kjt).permute(self._input_pos) if self._reordered else kjt
 
     def send_ids(self, kjt: KeyedJaggedTensor) -> int:
         """Puts this rank's ids for the next step into every owner's slot; returns the
-        step."""
+        step. Everything that may raise on this rank alone comes before the first put
+        (``PgasSparseFeaturesDist`` then sends the error instead)."""
         problem = self._host_problem(kjt)
         if problem is not None:
             status, detail, batch_size = problem
             header = Header(status, batch_size, 0, False, detail)
         else:
             header = self._check(kjt, kjt.lengths())
-        if header.status == Status.OK:
-            kjt = self._by_owner(kjt)
-        lengths = kjt.lengths().to(torch.int32)
-        batch = header.batch_size
         counts = [len(f) for f in self._features_per_rank]
-        if header.status == Status.OK:
+        ok = header.status == Status.OK
+        if ok:
+            kjt = self._by_owner(kjt)
+            batch = header.batch_size
+            lengths = kjt.lengths().to(torch.int32)
             per_key = lengths.view(len(self._features), batch).sum(1)
             ids_per_owner = [int(s.sum()) for s in per_key.split(counts)]
         else:
             ids_per_owner = [0] * len(counts)
         if self._layout is None:
-            self._allocate(batch, max(ids_per_owner))
+            self._allocate_once(header.batch_size, max(ids_per_owner))
         layout, box = self._layout, self._ids
         assert layout is not None and box is not None
-        if header.status == Status.OK and not layout.fits(batch, max(ids_per_owner)):
-            header = Header(Status.OVER_CAPACITY, batch, 0, False, (batch, max(ids_per_owner)))
+        if ok and not layout.fits(header.batch_size, max(ids_per_owner)):
+            header = Header(Status.OVER_CAPACITY, header.batch_size, 0, False, (header.batch_size, max(ids_per_owner)))
+            ok = False
+        text = None
+        if header.status == Status.FAILED:
+            text = self._failure_text(layout)
+            header = Header(Status.FAILED, 0, 0, False, (text.numel(),))
+        parts: List[tuple] = [()] * len(counts)
+        if ok:
+            weights = kjt.weights_or_none()
+            parts = list(zip(
+                lengths.split([c * header.batch_size for c in counts]),
+                kjt.values().to(torch.int64).split(ids_per_owner),
+                weights.to(torch.float32).split(ids_per_owner) if weights is not None else [None] * len(counts),
+            ))
 
         self._make_room()
         self._send_step += 1
         step = self._send_step
-        ok = header.status == Status.OK
-        values = kjt.values().to(torch.int64)
-        weights = kjt.weights_or_none()
-        lengths_by_owner = lengths.split([c * batch for c in counts]) if ok else []
-        ids_by_owner = values.split(ids_per_owner) if ok else []
-        weights_by_owner = (
-            weights.split(ids_per_owner) if ok and weights is not None else [None] * len(counts)
-        )
         for owner in range(self._t.world_size):
-            num_ids = ids_per_owner[owner]
             base = box.begin_send(owner, step)
-            owner_header = Header(header.status, batch, num_ids, header.has_weights, header.detail)
+            owner_header = Header(header.status, header.batch_size, ids_per_owner[owner], header.has_weights, header.detail)
             self._t.put(box.buffer, owner, base, owner_header.encode())
             if ok:
-                self._t.put(box.buffer, owner, base + layout.lengths_offset, lengths_by_owner[owner])
-                self._t.put(box.buffer, owner, base + layout.ids_offset, ids_by_owner[owner])
-                w = weights_by_owner[owner]
+                owner_lengths, ids, w = parts[owner]
+                self._t.put(box.buffer, owner, base + layout.lengths_offset, owner_lengths)
+                self._t.put(box.buffer, owner, base + layout.ids_offset, ids)
                 if w is not None:
-                    self._t.put(
-                        box.buffer, owner, base + layout.weights_offset, w.to(torch.float32)
-                    )
+                    self._t.put(box.buffer, owner, base + layout.weights_offset, w)
+            elif text is not None and text.numel():
+                self._t.put(box.buffer, owner, base + layout.ids_offset, text)
             box.end_send(owner, step)
         return step
 
@@ -173,12 +177,13 @@ class TwExchange(BaseTwExchange):
         me = self._t.rank
         features = self._features_per_rank[me]
         nf = len(features)
-        headers, lengths, ids, weights = [], [], [], []
+        headers, texts, lengths, ids, weights = [], [], [], [], []
         for source in range(self._t.world_size):
             box.wait(source, step)
             slot = box.slot(source, step)
             h = layout.header(slot)
             headers.append(h)
+            texts.append(layout.text(slot, h.detail[0]) if h.status == Status.FAILED else "")
             if h.status == Status.OK:
                 ln = layout.lengths(slot, nf * h.batch_size).view(nf, h.batch_size).clone()
                 lengths.append(ln)
@@ -186,7 +191,7 @@ class TwExchange(BaseTwExchange):
                 if h.has_weights:
                     weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
             box.release(source, step)
-        self._raise_for_bad_headers(headers, step)
+        self._raise_for_bad_headers(headers, step, texts)
         has_weights = {h.has_weights for h in headers}
         if len(has_weights) > 1:
             raise PgasInputError(
