@@ -35,9 +35,7 @@ def raise_unless_every_rank_ready(pg: dist.ProcessGroup, error: "str | None") ->
     dist.all_gather_object(errors, error, group=pg)
     failed = {rank: e for rank, e in enumerate(errors) if e is not None}
     if failed:
-        raise PgasTransportUnavailableError(
-            "; ".join(f"rank {rank}: {e}" for rank, e in failed.items())
-        )
+        raise PgasTransportUnavailableError("; ".join(f"rank {rank}: {e}" for rank, e in failed.items()))
 
 
 @dataclass
@@ -115,6 +113,28 @@ class Transport(ABC):
         put before that signal is then visible. Raises ``PgasTimeoutError`` whose
         message includes ``what`` after the timeout. A device transport enqueues the
         wait on the current stream instead (and reports a timeout at its next check)."""
+
+    def alive(self) -> bool:
+        """Whether the transport's process group still exists. Destroying a group
+        leaves one-sided buffers mapped and writable, so nothing else would stop a
+        model from serving over a group its job has torn down."""
+        if self.group is None:
+            return False
+        try:
+            dist.get_rank(self.group)
+        except (RuntimeError, ValueError):  # not initialized, or group not registered
+            return False
+        return True
+
+    def check_alive(self, what: str) -> None:
+        """Raises ``PgasError`` naming ``what`` (e.g. a mailbox of a sharding) unless the
+        process group still exists; cheap enough (about a microsecond) for every step."""
+        if not self.alive():
+            raise PgasError(
+                f"rank {self.rank}: the process group of {what} was destroyed "
+                f"(torch.distributed.destroy_process_group): a model sharded over it "
+                f"cannot run another step; shard it again over a live process group"
+            )
 
     @abstractmethod
     def barrier(self) -> None:

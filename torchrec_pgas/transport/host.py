@@ -5,28 +5,47 @@ every rank of the process group, so a put is a plain copy into the peer's mappin
 
 Lifetime: a rank creates its file, all ranks map all files, then each rank unlinks its
 own file at once. From then on the memory lives only as long as the mappings, so
-nothing is left in ``/dev/shm`` however the processes end. Files of a job killed in the
-short window before the unlink carry the creator's pid and are swept at the next start.
+nothing is left in ``/dev/shm`` however the processes end, except files of a job killed
+in the short window before the unlink; the sweep below removes those.
+
+Naming: ``/dev/shm`` is shared by every local user and by containers that share it but
+not their PID namespace. A name anyone can predict lets a local user create it first and
+stop every job at its first batch, so each file gets 128 random bits, is created
+exclusively (a clash draws a new name) and its name reaches the peers over the process
+group. The job token in the name only tells whose files are whose.
+
+Sweep: a creator holds a shared ``flock`` on its file for as long as the file is linked,
+and a dead creator's lock goes with it. At start-up each rank removes the files under the
+prefix that are its own user's, a few seconds old, and on which it can take the lock
+exclusively: never another user's file, never a live one, whatever PID namespace either
+job runs in, and nothing that goes wrong with a file it cannot remove stops the job.
 
 Ordering: a signal word is guarded by a process-shared ``pthread_spinlock_t``. The
 writer's unlock is a release and the reader's lock an acquire, so every byte put before
-a signal is visible to whoever has read that signal, on x86 (TSO) and on Arm alike.
+a signal is visible to whoever has read that signal, on x86 (TSO) and on Arm alike. The
+lock is only ever tried, never waited on: a rank that died holding it would otherwise
+leave its peers spinning forever, so every acquisition gives up at the transport's
+timeout with ``PgasTimeoutError``.
 """
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 import re
+import secrets
+import stat
 import time
 import uuid
 from dataclasses import dataclass
-from typing import List, Set
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from torchrec_pgas.transport.base import (
+    PgasError,
     PgasTimeoutError,
     SignalArray,
     SymmetricBuffer,
@@ -35,7 +54,14 @@ from torchrec_pgas.transport.base import (
 
 _SHM_DIR = "/dev/shm"
 _PREFIX = "torchrec_pgas"
-_NAME_RE = re.compile(rf"^{_PREFIX}\.[0-9a-f]+\.\d+\.r\d+\.p(\d+)$")
+#: Files the sweep may consider: ours, and those of earlier releases (whose names had
+#: a counter, rank and pid in them).
+_NAME_RE = re.compile(rf"^{re.escape(_PREFIX)}\.[0-9a-z.]+$")
+#: A file younger than this is never swept: its creator may not have locked it yet.
+SWEEP_MIN_AGE_S = 10.0
+#: Fresh names to draw before giving up on creating a file (a clash of 128 random bits
+#: means something else is wrong).
+_CREATE_ATTEMPTS = 8
 # A signal record: int32 spinlock, int32 padding, int64 value.
 _SIGNAL_RECORD = 16
 _SIGNAL_VALUE_OFFSET = 8
@@ -44,7 +70,7 @@ _PTHREAD_PROCESS_SHARED = 1
 
 def _load_pthread() -> ctypes.CDLL:
     lib = ctypes.CDLL(ctypes.util.find_library("pthread") or ctypes.util.find_library("c"))
-    for fn in (lib.pthread_spin_lock, lib.pthread_spin_unlock):
+    for fn in (lib.pthread_spin_trylock, lib.pthread_spin_unlock):
         fn.argtypes = [ctypes.c_void_p]
         fn.restype = ctypes.c_int
     lib.pthread_spin_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -55,28 +81,71 @@ def _load_pthread() -> ctypes.CDLL:
 _PTHREAD = _load_pthread()
 
 
-def _pid_alive(pid: int) -> bool:
+def _create_segment(job: str, size: int) -> Tuple[str, int]:
+    """Creates a file of ``size`` bytes under a fresh random name and locks it shared;
+    returns its name and the descriptor that holds the lock."""
+    for _ in range(_CREATE_ATTEMPTS):
+        name = f"{_PREFIX}.{job}.{secrets.token_hex(16)}"
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        return name, fd
+    raise PgasError(f"could not create a segment in {_SHM_DIR}: {_CREATE_ATTEMPTS} random names were all taken")
+
+
+def _unlink_quietly(path: str) -> None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_if_stale(path: str, uid: int, born_before: float) -> bool:
+    """Removes ``path`` if it is a regular file of ``uid``, older than ``born_before``,
+    and no process holds its lock; any error leaves it where it is."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mtime > born_before:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a creator lives
+        held = os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
         return True
-    return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
-def sweep_stale_segments(shm_dir: str = _SHM_DIR) -> List[str]:
-    """Removes segments whose creating process is gone; returns their names."""
-    removed = []
-    for name in os.listdir(shm_dir) if os.path.isdir(shm_dir) else []:
-        m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
+def sweep_stale_segments(shm_dir: str = _SHM_DIR, min_age_s: float = SWEEP_MIN_AGE_S) -> List[str]:
+    """Removes this user's segments that no live process holds and that are at least
+    ``min_age_s`` old; returns their names. Never raises about a file."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    uid = os.geteuid()
+    born_before = time.time() - min_age_s
+    return [
+        name
+        for name in names
+        if _NAME_RE.match(name) and _remove_if_stale(os.path.join(shm_dir, name), uid, born_before)
+    ]
 
 
 @dataclass
@@ -92,7 +161,8 @@ class HostTransport(Transport):
 
     Args:
         pg: a CPU-capable (gloo) process group whose ranks share ``/dev/shm``.
-        timeout_s: how long ``wait`` waits before it raises.
+        timeout_s: how long ``wait`` waits, and any signal's lock is tried, before
+            they raise.
     """
 
     def __init__(self, pg: dist.ProcessGroup, timeout_s: float) -> None:
@@ -104,33 +174,26 @@ class HostTransport(Transport):
         job = [uuid.uuid4().hex[:16] if self.rank == 0 else None]
         dist.broadcast_object_list(job, src=dist.get_global_rank(pg, 0), group=pg)
         self._job: str = job[0]  # type: ignore[assignment]
-        self._count = 0
-        self._unlinked_pending: Set[str] = set()
+        #: This rank's files not yet unlinked, with the descriptors that hold their locks.
+        self._linked: Dict[str, int] = {}
         sweep_stale_segments()
 
-    def _path(self, n: int, rank: int, pid: int) -> str:
-        return os.path.join(_SHM_DIR, f"{_PREFIX}.{self._job}.{n}.r{rank}.p{pid}")
-
     def _map_all(self, nbytes: int, signals: int = 0) -> _Mapping:
-        n = self._count
-        self._count += 1
         size = max(nbytes, 8)
-        own = self._path(n, self.rank, os.getpid())
-        fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._unlinked_pending.add(own)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        pids = [None] * self.world_size
-        dist.all_gather_object(pids, os.getpid(), group=self.group)
+        name, fd = _create_segment(self._job, size)
+        own = os.path.join(_SHM_DIR, name)
+        self._linked[own] = fd
+        names: List[str] = [""] * self.world_size
+        dist.all_gather_object(names, name, group=self.group)
         maps, peers = [], []
-        for peer, pid in enumerate(pids):
-            fd = os.open(self._path(n, peer, pid), os.O_RDWR)
+        for peer, peer_name in enumerate(names):
+            if not _NAME_RE.match(peer_name):
+                raise PgasError(f"rank {self.rank}: rank {peer} sent a bad segment name {peer_name!r}")
+            peer_fd = os.open(os.path.join(_SHM_DIR, peer_name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                mm = mmap.mmap(fd, size)
+                mm = mmap.mmap(peer_fd, size)
             finally:
-                os.close(fd)
+                os.close(peer_fd)
             maps.append(mm)
             peers.append(torch.frombuffer(mm, dtype=torch.uint8)[:nbytes])
         # The lock's unlocked value is the C library's business (it is 1 on x86).
@@ -140,13 +203,15 @@ class HostTransport(Transport):
         # Every rank has mapped every file and initialized its locks: the files
         # themselves are no longer needed.
         self.barrier()
-        try:
-            os.unlink(own)
-        except FileNotFoundError:  # swept by a rank that cannot see this pid
-            pass
-        self._unlinked_pending.discard(own)
+        self._unlink_own(own)
         # Nothing else holds the mapping: it is unmapped when its buffer is dropped.
         return _Mapping(peers=peers, maps=maps)
+
+    def _unlink_own(self, path: str) -> None:
+        """Unlinks one of this rank's files, then lets go of its lock (in that order: an
+        unlocked file that is still linked is fair game for the sweep)."""
+        _unlink_quietly(path)
+        os.close(self._linked.pop(path))
 
     def alloc(self, nbytes: int) -> SymmetricBuffer:
         mapping = self._map_all(nbytes)
@@ -157,7 +222,8 @@ class HostTransport(Transport):
 
     def free(self, obj: "SymmetricBuffer | SignalArray") -> None:
         mapping: _Mapping = obj.handle
-        self.barrier()
+        if self.alive():  # a destroyed group has nobody left to wait for
+            self.barrier()
         mapping.peers.clear()
         mapping.maps.clear()
 
@@ -177,9 +243,7 @@ class HostTransport(Transport):
         if rows == 0 or src.numel() == 0:
             return
         data = src.detach().contiguous().view(torch.uint8).view(rows, -1)
-        dst = buf.handle.peers[peer][offset:].as_strided(
-            (rows, data.size(1)), (row_pitch, 1)
-        )
+        dst = buf.handle.peers[peer][offset:].as_strided((rows, data.size(1)), (row_pitch, 1))
         dst.copy_(data)
 
     def _record(self, sig: SignalArray, rank: int, index: int) -> int:
@@ -187,37 +251,56 @@ class HostTransport(Transport):
             raise IndexError(f"signal index {index} outside [0, {sig.size})")
         return sig.handle.peers[rank].data_ptr() + index * _SIGNAL_RECORD
 
+    def _lock(self, addr: int, deadline: float) -> bool:
+        """Takes the spinlock at ``addr``; False if it is still taken at ``deadline``."""
+        pause = 0.0
+        while _PTHREAD.pthread_spin_trylock(addr) != 0:
+            if time.monotonic() > deadline:
+                return False
+            # A live holder keeps the lock for a few instructions, unless it was
+            # descheduled: yield at once, then back off towards 1 ms.
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-6, 1e-3)
+        return True
+
     def signal(self, sig: SignalArray, peer: int, index: int, value: int) -> None:
         addr = self._record(sig, peer, index)
-        _PTHREAD.pthread_spin_lock(addr)
+        if not self._lock(addr, time.monotonic() + self._timeout_s):
+            raise PgasTimeoutError(
+                f"rank {self.rank}: timed out after {self._timeout_s:.1f} s waiting for the "
+                f"lock of signal {index} of rank {peer}, to set it to {value} (did a rank die "
+                f"holding it?)"
+            )
         ctypes.c_int64.from_address(addr + _SIGNAL_VALUE_OFFSET).value = value
         _PTHREAD.pthread_spin_unlock(addr)
 
-    def _read(self, addr: int) -> int:
-        _PTHREAD.pthread_spin_lock(addr)
+    def _read(self, addr: int, deadline: float) -> "int | None":
+        """The signal word at ``addr``; None if its lock is still taken at ``deadline``."""
+        if not self._lock(addr, deadline):
+            return None
         value = ctypes.c_int64.from_address(addr + _SIGNAL_VALUE_OFFSET).value
         _PTHREAD.pthread_spin_unlock(addr)
         return value
 
     def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
         addr = self._record(sig, self.rank, index)
-        have = self._read(addr)
-        if have >= value:
-            return
         deadline = time.monotonic() + self._timeout_s
+        have = self._read(addr, deadline)
         pause = 0.0
-        while True:
+        while have is None or have < value:
+            if have is None or time.monotonic() > deadline:
+                state = (
+                    f"the lock of signal {index} stayed taken: did a rank die holding it?"
+                    if have is None
+                    else f"signal {index} is {have}, expected >= {value}"
+                )
+                raise PgasTimeoutError(
+                    f"rank {self.rank}: timed out after {self._timeout_s:.1f} s waiting for {what} ({state})"
+                )
             # Back off towards 1 ms: ranks usually outnumber free cores on CPU machines.
             time.sleep(pause)
             pause = min(pause * 2 or 2e-5, 1e-3)
-            have = self._read(addr)
-            if have >= value:
-                return
-            if time.monotonic() > deadline:
-                raise PgasTimeoutError(
-                    f"rank {self.rank}: timed out after {self._timeout_s:.1f} s waiting "
-                    f"for {what} (signal {index} is {have}, expected >= {value})"
-                )
+            have = self._read(addr, deadline)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -225,10 +308,6 @@ class HostTransport(Transport):
     def close(self) -> None:
         """Removes files of an allocation an error interrupted (mappings go with their
         buffers) and lets go of the process group."""
-        for path in list(self._unlinked_pending):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._unlinked_pending.clear()
+        for path in list(self._linked):
+            self._unlink_own(path)
         self.group = None  # type: ignore[assignment]

@@ -57,8 +57,10 @@ class Mailbox:
 
     def begin_send(self, peer: int, step: int) -> int:
         """Waits until ``peer`` has released the slot ``step`` reuses; returns the
-        byte offset of this rank's slot for ``step`` in ``peer``'s buffer."""
+        byte offset of this rank's slot for ``step`` in ``peer``'s buffer. Every send of
+        a step starts here, so this is where a destroyed process group is caught."""
         t = self.transport
+        t.check_alive(self.name)
         if step > self._depth:
             t.wait(
                 self._free,
@@ -74,9 +76,7 @@ class Mailbox:
 
     def wait(self, source: int, step: int) -> None:
         """Waits until ``source``'s data for ``step`` is in this rank's buffer."""
-        self.transport.wait(
-            self._ready, source, step, f"{self.name} of step {step} from rank {source}"
-        )
+        self.transport.wait(self._ready, source, step, f"{self.name} of step {step} from rank {source}")
 
     def slot(self, source: int, step: int):
         """This rank's bytes of ``source``'s slot for ``step`` (a uint8 tensor view)."""
