@@ -51,8 +51,8 @@ class LookupBatch:
     (see ``DeviceRoute``).
 
     Without autograd the groups are left empty at first, and ``from_slots`` says what
-    ``exchange.lookup_put`` reads: it then pools the bags straight from the slots and
-    puts the rows, or fills the groups for TorchRec's lookup."""
+    ``exchange.lookup_put`` reads (once): it then pools the bags straight from the
+    slots and puts the rows, or fills the groups for TorchRec's lookup."""
 
     groups: List[KeyedJaggedTensor]
     record: torch.Tensor
@@ -61,10 +61,10 @@ class LookupBatch:
     from_slots: Optional[SlotsLookup] = None
 
     def lookup_put(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
-        """Pools and puts this batch with ``emb_modules``' tables, if the exchange can;
-        returns None once ``groups`` are filled for TorchRec's lookup instead."""
-        lookup, self.from_slots = self.from_slots, None
-        return self.exchange.lookup_put(self, lookup, emb_modules) if lookup is not None else None
+        """``exchange.lookup_put(self, emb_modules)``: the pooled rows' stand-in, or
+        None once ``groups`` are filled for TorchRec's lookup."""
+        exchange, self.exchange = self.exchange, None
+        return exchange.lookup_put(self, emb_modules) if exchange is not None else None
 
     # TorchRec inspects the input dist's output as a KJT in a few places.
     def variable_stride_per_key(self) -> bool:

@@ -18,6 +18,10 @@ kernels, so the host only enqueues a handful of launches per step:
   it), which costs one read-back; without autograd it has the slots' capacity and
   FBGEMM reads only what the offsets cover (its bounds check is off: sources have
   checked every id).
+* ``lookup_put`` (inference with FBGEMM ``FUSED`` tables): the receive leaves the
+  groups empty and keeps the slots held; the lookup (``LookupBatch.lookup_put``)
+  pools every requester's bags straight from them and stores the rows into the
+  requesters' output slots, as ``rows_put`` would.
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
   requester's ``output_take`` waits for its count, copies its output out of the slot,
@@ -29,6 +33,12 @@ kernels, so the host only enqueues a handful of launches per step:
   owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
   takes without a copy, whose fused optimizer applies the update exactly as under
   ``table_wise``. The owner releases them at its next backward, after FBGEMM's.
+
+The class below reads in that order. Its symmetric memory is one ``DeviceBuffers``
+(``transport/device_buffers.py``: every buffer's shape, the waits and releases, and
+``close``); the lookup batch and the step's route are in ``device_batch.py``; what
+row-wise changes (routing, output blocks) is given to the constructor
+(``device_routing.py``).
 """
 
 import collections
@@ -221,11 +231,15 @@ class DeviceTwExchange(BaseTwExchange):
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup_put(self, batch: LookupBatch, lookup: SlotsLookup, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
-        """Pools every requester's bags from the slots of ``lookup.step`` and puts the
-        rows (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); or,
+    def lookup_put(self, batch: LookupBatch, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """Pools every requester's bags from the slots of ``batch.from_slots`` and puts
+        the rows (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); or,
         under autograd or for tables it cannot read, fills ``batch.groups`` for
-        TorchRec's lookup, releases the slots and returns None."""
+        TorchRec's lookup, releases the slots and returns None (as for a batch whose
+        groups the receive filled)."""
+        lookup, batch.from_slots = batch.from_slots, None
+        if lookup is None:
+            return None
         buffers, layout, step = self._buffers, self._layout, lookup.step
         assert buffers is not None and layout is not None
         if buffers.held != step:
