@@ -22,8 +22,8 @@ import torch
 
 HEADER_WORDS = 8
 
-#: The least capacity a slot has, whatever the first batch: a first batch smaller than
-#: the steady state (an empty one, a warm-up) must not size the buffers for good.
+#: The capacity a slot has where the first batch has no samples (no ids) on every
+#: rank: an empty first batch (a warm-up) must not size the buffers at nothing for good.
 MIN_BATCH_CAPACITY = 64
 MIN_IDS_CAPACITY = 1024
 
@@ -49,8 +49,8 @@ class Status(IntEnum):
     #: features sent, features expected)
     UNKNOWN_FEATURES = 6
     #: the source could not prepare its batch (any other error, or a problem the sharded
-    #: module found); detail = (bytes of the message, 0, 0): the message, UTF-8, is in
-    #: the slot's ids, so every rank can raise with it
+    #: module found); detail = (bytes of the message, 0, 0): the message, UTF-8, fills
+    #: the slot after the header, so every rank can raise with it
     FAILED = 7
 
 
@@ -98,12 +98,12 @@ class IdsSlotLayout:
     def for_batch(
         max_features: int, batch_size: int, num_ids: int, headroom: float
     ) -> "IdsSlotLayout":
-        """Capacities ``headroom`` times the given batch, and at least
-        ``MIN_BATCH_CAPACITY`` samples and ``MIN_IDS_CAPACITY`` ids."""
+        """Capacities ``headroom`` times the given batch; ``MIN_BATCH_CAPACITY``
+        samples and ``MIN_IDS_CAPACITY`` ids for a batch of none."""
         return IdsSlotLayout(
             max_features=max_features,
-            batch_capacity=max(MIN_BATCH_CAPACITY, math.ceil(batch_size * headroom)),
-            ids_capacity=max(MIN_IDS_CAPACITY, math.ceil(num_ids * headroom)),
+            batch_capacity=math.ceil(batch_size * headroom) if batch_size > 0 else MIN_BATCH_CAPACITY,
+            ids_capacity=math.ceil(num_ids * headroom) if num_ids > 0 else MIN_IDS_CAPACITY,
         )
 
     @functools.cached_property
@@ -138,13 +138,13 @@ class IdsSlotLayout:
         return slot[self.weights_offset : self.weights_offset + 4 * count].view(torch.float32)
 
     def encode_text(self, message: str) -> torch.Tensor:
-        """``message`` as ``Status.FAILED`` carries it in the ids (cut to fit)."""
-        data = message.encode("utf-8")[: 8 * self.ids_capacity]
+        """``message`` as ``Status.FAILED`` carries it after the header (cut to fit)."""
+        data = message.encode("utf-8")[: self.nbytes - self.lengths_offset]
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
     def text(self, slot: torch.Tensor, nbytes: int) -> str:
         """The message of a ``Status.FAILED`` slot."""
-        data = slot[self.ids_offset : self.ids_offset + min(nbytes, 8 * self.ids_capacity)]
+        data = slot[self.lengths_offset : self.lengths_offset + min(nbytes, self.nbytes - self.lengths_offset)]
         return bytes(data.cpu().tolist()).decode("utf-8", errors="replace")
 
 
@@ -165,7 +165,7 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
             f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
             f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
             f"the buffers are sized at the first batch times PgasOptions.headroom "
-            f"(at least {MIN_BATCH_CAPACITY} samples and {MIN_IDS_CAPACITY} ids); "
+            f"({MIN_BATCH_CAPACITY} samples, {MIN_IDS_CAPACITY} ids if it had none); "
             f"raise headroom"
         )
     if header.status == Status.BAD_LENGTHS and d[0] == -3:

@@ -114,10 +114,10 @@ def _serve(rank, port, inbox, outbox):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     while (case := inbox.get()) is not None:
         try:
-            _run_case(rank, case)
-            outbox.put((rank, None))
+            result = (_run_bad_case if "bad" in case else _run_case)(rank, case)
+            outbox.put((rank, None, result))
         except Exception:
-            outbox.put((rank, traceback.format_exc()))
+            outbox.put((rank, traceback.format_exc(), None))
     dist.barrier()
     os._exit(0)  # as dist_utils: no teardown race between the ranks' gloo groups
 
@@ -140,18 +140,21 @@ class _RankPool:
         for p in self.procs:
             p.start()
 
-    def run(self, case) -> None:
+    def run(self, case) -> list:
+        """Runs ``case`` on every rank; returns what each rank's run returned."""
         for box in self.inboxes:
             box.put(case)
-        errors = []
+        errors, results = [], [None] * WORLD
         for _ in range(WORLD):
             try:
-                rank, error = self.outbox.get(timeout=120)
+                rank, error, results_of_rank = self.outbox.get(timeout=120)
             except queue.Empty:
                 raise AssertionError(f"no answer within 120 s for {case}")
+            results[rank] = results_of_rank
             if error:
                 errors.append(f"rank {rank}:\n{error}")
         assert not errors, f"{case}\n" + "\n".join(errors)
+        return results
 
     def close(self) -> None:
         for box in self.inboxes:
@@ -171,6 +174,97 @@ def pool():
 @given(case=cases())
 def test_random_batches_match_the_float64_oracle(pool, case):
     pool.run(case)
+
+
+# ------------------------------------------- malformed batches, mixed sharding types
+
+#: What a malformed batch can be; each is refused on every rank.
+MALFORMED = ["negative length", "float ids", "2-D values", "missing key", "duplicate key", "weights not one per id", "int weights"]
+
+
+@st.composite
+def bad_cases(draw):
+    """Tables each ``pgas_table_wise``, ``pgas_row_wise`` or TorchRec's ``table_wise``
+    in one module, a good batch per rank, then a malformed one on a random rank (the
+    others good), then a good one per rank."""
+    n = draw(st.integers(2, 4))
+    tables = [
+        dict(rows=draw(st.integers(WORLD, 30)), dim=4 * draw(st.integers(1, 3)), owner=draw(st.integers(0, WORLD - 1)),
+             kind=draw(st.sampled_from(["pgas_tw", "pgas_rw", "table_wise"])))
+        for _ in range(n)
+    ]
+    if all(t["kind"] == "table_wise" for t in tables):
+        tables[0]["kind"] = "pgas_tw"
+    return dict(
+        tables=tables, bad=draw(st.sampled_from(MALFORMED)), bad_rank=draw(st.integers(0, WORLD - 1)),
+        weighted=draw(st.booleans()), batch_sizes=[draw(st.integers(1, 5)) for _ in range(3 * WORLD)],
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _malformed(kjt, what):
+    keys, values, lengths, weights = kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none()
+    w = weights if weights is not None else None
+    if what == "negative length":  # lengths still add up to the values
+        lengths = lengths.clone()
+        lengths[0] -= 100000
+        lengths[1] += 100000
+    elif what == "float ids":
+        values = values.float()
+    elif what == "2-D values":
+        values = values.view(-1, 1)
+    elif what == "missing key":
+        b = kjt.stride()
+        n = int(lengths[b:].sum())
+        keys, values, lengths = keys[1:], values[values.numel() - n:], lengths[b:]
+        w = w[w.numel() - n:] if w is not None else None
+    elif what == "duplicate key":
+        keys = keys[:-1] + keys[:1]
+    elif what == "weights not one per id":
+        w = torch.rand(values.numel() + 1)
+    elif what == "int weights":
+        w = torch.ones(values.numel(), dtype=torch.int64)
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=w)
+
+
+def _run_bad_case(rank, case):
+    """Returns this rank's error message for the malformed step."""
+    from dist_utils import random_kjt
+
+    specs = case["tables"]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=[f"f{i}"])
+        for i, t in enumerate(specs)
+    ]
+    torch.manual_seed(case["seed"])
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=case["weighted"], device=torch.device("cpu"))
+    gens = {"pgas_rw": lambda o: pgas_row_wise(compute_kernel="fused"), "pgas_tw": pgas_tw, "table_wise": torchrec_tw}
+    placement = {t.name: gens[spec["kind"]](spec["owner"]) for t, spec in zip(tables, specs)}
+    # Headroom for a first batch of one sample and later ones of five.
+    options = PgasOptions(timeout_s=30, headroom=25.0)
+    model = shard(ref, placement, WORLD, PgasEmbeddingBagCollectionSharder(options=options))
+    row_wise = [t.name for t, spec in zip(tables, specs) if spec["kind"] == "pgas_rw"]
+    sizes = case["batch_sizes"]
+
+    def good(step):
+        return random_kjt(tables, sizes[step * WORLD + rank], seed=case["seed"] + 7 * step + rank, weighted=case["weighted"])
+
+    def check(kjt):
+        assert_close_to_reference(model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt, row_wise))
+
+    check(good(0))
+    kjt = _malformed(good(1), case["bad"]) if rank == case["bad_rank"] else good(1)
+    with pytest.raises(PgasInputError, match=f"rank {case['bad_rank']} ") as info:
+        model(kjt).to_dict()
+    check(good(2))
+    return str(info.value)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=bad_cases())
+def test_malformed_batches_on_a_random_rank_raise_the_same_error_everywhere(pool, case):
+    messages = pool.run(case)
+    assert len(set(messages)) == 1, messages
 
 
 # ------------------------------------------------------------ bad dtypes

@@ -23,10 +23,10 @@ class PgasOptions:
         timeout_s: how long any wait for a peer's data or signal may take before it
             raises ``PgasTimeoutError`` naming the rank, the peer and the step.
         headroom: symmetric buffers are sized at the first batch as ``headroom`` times
-            the largest batch (samples and ids) seen on any rank then, and hold at
-            least 64 samples and 1024 ids per source and owner whatever that batch
-            (an empty or warm-up first batch must not size them for good). A bigger
-            batch later is refused on every rank, naming this option.
+            the largest batch (samples and ids) seen on any rank then; a first batch
+            with no samples (no ids) on every rank sizes them at 64 samples (1024 ids)
+            instead, so an empty warm-up batch does not size them at nothing for good.
+            A bigger batch later is refused on every rank, naming this option.
 
     Every rank must pass equal options: the sharding checks it when it sets up its
     exchange and raises on every rank, naming the fields that differ.

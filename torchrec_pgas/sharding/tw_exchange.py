@@ -156,7 +156,7 @@ class TwExchange(BaseTwExchange):
                 if w is not None:
                     self._t.put(box.buffer, owner, base + layout.weights_offset, w)
             elif text is not None and text.numel():
-                self._t.put(box.buffer, owner, base + layout.ids_offset, text)
+                self._t.put(box.buffer, owner, base + layout.lengths_offset, text)
             box.end_send(owner, step)
         return step
 
