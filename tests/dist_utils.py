@@ -143,15 +143,17 @@ def shard(
     device: torch.device = torch.device("cpu"),
     pg: Optional[dist.ProcessGroup] = None,
     wrapper: Callable[[EmbeddingBagCollection], nn.Module] = None,
+    local_size: Optional[int] = None,
 ) -> DistributedModelParallel:
     """A DMP of ``wrapper`` (default ``Wrapper``) around a copy of ``ref`` placed by
     ``placement`` (table -> generator), with ``ref``'s weights, on ``device`` over
-    ``pg`` (default: the world group)."""
+    ``pg`` (default: the world group). Rank ``r``'s shards are placed on device
+    ``r % local_size`` (default: one device per rank; 1 when ranks share a GPU)."""
     plan = construct_module_sharding_plan(
         ref,
         per_param_sharding=placement,
         world_size=world_size,
-        local_size=world_size,
+        local_size=local_size or world_size,
         device_type=device.type,
         sharder=sharder,
     )
