@@ -16,9 +16,10 @@ group. The job token in the name only tells whose files are whose.
 
 Sweep: a creator holds a shared ``flock`` on its file for as long as the file is linked,
 and a dead creator's lock goes with it. At start-up each rank removes the files under the
-prefix that are its own user's, a few seconds old, and on which it can take the lock
-exclusively: never another user's file, never a live one, whatever PID namespace either
-job runs in, and nothing that goes wrong with a file it cannot remove stops the job.
+prefix that are its own user's, at least ``SWEEP_MIN_AGE_S`` old (a creator locks its
+file just after creating it) and on which it can take the lock exclusively: never
+another user's file, never a live one, whatever PID namespace either job runs in, and
+nothing that goes wrong with a file it cannot remove stops the job.
 
 Ordering: a signal word is guarded by a process-shared ``pthread_spinlock_t``. The
 writer's unlock is a release and the reader's lock an acquire, so every byte put before
