@@ -18,10 +18,15 @@ import torch
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
+from torchrec_pgas.transport.base import PgasError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 _WAIT_DATA = WAIT_DATA.value
+#: What ``close`` takes away: any later use raises (``DeviceBuffers.__getattr__``)
+#: instead of reaching freed memory.
+_FREED = ("ids", "ids_ready", "ids_free", "out", "out_count", "out_free", "grads", "grads_count", "grads_free",
+          "ids_slots", "out_views", "grad_views", "all_ranks", "_no_chunks")
 
 
 class Symmetric(NamedTuple):
@@ -57,37 +62,49 @@ class BufferSizes:
 
 class DeviceBuffers:
     """The symmetric tensors of one device exchange, ``depth`` generations of each
-    slot (step ``k`` uses generation ``k % depth``; see ``transport/mailbox.py`` for
-    the protocol, which is the same here with every wait and signal on the device).
-    Allocated collectively; ``close`` frees them (collective too).
+    slot (step ``k`` uses generation ``k % depth``: the protocol of
+    ``transport/mailbox.py``, with every wait and signal on the device). Allocated
+    collectively; ``close`` frees them (collective too), and nothing here may be used
+    after it.
 
     ``W`` is the world size, ``D`` the depth, ``R = sizes.rows``, ``E`` the bytes of
-    ``sizes.dtype``. Signal words: word ``q`` of a rank's array is set by rank ``q``.
+    ``sizes.dtype``. In a signal array, word ``q`` is set by rank ``q`` only.
 
     * ``ids``: uint8 ``[D * W * ids_slot_bytes]``: per generation, one slot per
       source (``IdsSlotLayout``: header, lengths, ids, weights), put by the sources.
-    * ``ids_ready``: int64 ``[W]``: counts the put programs of the sources' ids
-      (``arrived(step)`` once step's are all in).
-    * ``ids_free``: int64 ``[W]``: the last step whose ids slot owner ``q`` released.
-    * ``out``: uint8 ``[D * out_blocks * R * out_dim * E]``: per generation, this
-      rank's pooled output, ``[out_blocks, R, out_dim]``, stored by the owners.
-    * ``out_count``: int64 ``[W]``: counts the programs that stored rows for this rank.
-    * ``out_free``: int64 ``[W]``: the last step whose output slot requester ``q``
-      released.
-    * ``grads``: uint8 ``[D * W * R * grad_dim * E]``: per generation, the gradient
-      rows of this owner's lookup, ``[W * R, my_grad_dim]`` (source-major), stored
-      by the requesters; FBGEMM's backward reads them in place.
-    * ``grads_count``: int64 ``[W]``: counts the programs that stored gradient rows.
-    * ``grads_free``: int64 ``[W]``: the last step whose gradient slots owner ``q``
-      released.
-    * ``err``: int64 ``[4]``, the transport's error record (code, peer, what,
-      target), shared with every exchange of the transport and not freed here: a
-      timed-out wait is reported by whichever check comes next.
+    * ``ids_ready``: int64 ``[W]``: word ``q`` counts source ``q``'s put programs
+      (``arrived(step)`` once its ids of ``step`` are in).
+    * ``ids_free``: int64 ``[W]``: word ``q``, the last step whose ids slot owner
+      ``q`` gave back to this rank.
+    * ``out`` (``Symmetric``): uint8 ``[D * out_blocks * R * out_dim * E]``: per
+      generation, this rank's pooled output ``[out_blocks, R, out_dim]``, stored by
+      the owners.
+    * ``out_count`` (``Symmetric``): int64 ``[W]``: word ``q`` counts owner ``q``'s
+      programs that stored rows for this rank.
+    * ``out_free``: int64 ``[W]``: word ``q``, the last step whose output slot
+      requester ``q`` gave back to this owner.
+    * ``grads`` (``Symmetric``): uint8 ``[D * W * R * grad_dim * E]``: per generation,
+      the gradient rows of this owner's lookup, ``[W * R, my_grad_dim]`` source-major,
+      stored by the requesters; FBGEMM's backward reads them in place.
+    * ``grads_count`` (``Symmetric``): int64 ``[W]``: word ``q`` counts requester
+      ``q``'s programs that stored gradient rows here.
+    * ``grads_free``: int64 ``[W]``: word ``q``, the last step whose gradient slots
+      owner ``q`` gave back to this requester.
+    * ``err``: int64 ``[4]`` (code, peer, what, target): the transport's error
+      record, which every device-side wait of the transport writes; not freed here.
 
-    The ``*_peers`` tables are int64 ``[W]`` addresses of each rank's copy, for the
-    kernels that store into peers' memory. Step bookkeeping: ``held`` is the ids step
-    whose slots are kept after its receive, for a lookup that pools straight from them
-    (``hold``, ``release_held``, ``hand_over``).
+    Peer address tables, for the kernels that store into peers' memory: ``peers`` of
+    each ``Symmetric`` (int64 ``[W]`` on the device), and ``out_free_peers`` and
+    ``ids_free_peers`` (host lists). ``all_ranks``: int32 ``[W]``, ``0 .. W - 1``.
+
+    Step bookkeeping: ``held`` is the ids step whose slots stay taken after their
+    receive, for a lookup that pools straight from them (``hold``, ``release_held``,
+    ``hand_over``).
+
+    Why ``close`` is explicit: a free is collective, and garbage collectors do not run
+    at the same point on every rank, so dropping the last reference frees nothing
+    (``free_when_collected`` only tells the transport, whose ``reclaim`` closes the
+    buffers where every rank calls it).
     """
 
     def __init__(self, transport: NvshmemTransport, sizes: BufferSizes, depth: int = DEFAULT_DEPTH) -> None:
@@ -207,9 +224,19 @@ class DeviceBuffers:
             self._finalizer.detach()
         tensors = [self.ids, self.ids_ready, self.ids_free, self.out.local, self.out_count.local,
                    self.out_free, self.grads.local, self.grads_count.local, self.grads_free]
-        self.ids_slots, self.out_views, self.grad_views = [], [], []
+        for name in _FREED:
+            delattr(self, name)
         self._t.free_tensors(tensors)
         self._t.unregister(self.owner_id)
+
+    def __getattr__(self, name: str):
+        # Reached only for an attribute that is missing: one ``close`` took away.
+        if name in _FREED:
+            raise PgasError(
+                f"rank {self._t.rank}: the exchange's GPU buffers were closed (freed); a model "
+                f"sharded over them cannot run another step: shard it again"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def closed(self) -> bool:
