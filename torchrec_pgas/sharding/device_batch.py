@@ -245,14 +245,18 @@ class FusedTables:
         if key == self._key:
             return self._rows
         dtypes = {t.weights_dev.dtype for t in tbes}
-        if any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes) or len(dtypes) > 1 or not dtypes <= _FLOATS:
+        off_device = any(t.weights_uvm.numel() or t.weights_host.numel() for t in tbes)
+        if off_device or len(dtypes) > 1 or not dtypes <= _FLOATS:
             self.enabled = False
             return None
         rows, col = [], self._first_col
         for t in tbes:
             w, dims, at = t.weights_dev, t.D_offsets.tolist(), t.weights_offsets.tolist()
             mean = int(t.pooling_mode == PoolingMode.MEAN)
-            rows += [[w.data_ptr() + at[f] * w.element_size(), dims[f + 1] - dims[f], col + dims[f], mean] for f in range(len(dims) - 1)]
+            rows += [
+                [w.data_ptr() + at[f] * w.element_size(), dims[f + 1] - dims[f], col + dims[f], mean]
+                for f in range(len(dims) - 1)
+            ]
             col += dims[-1]
         self._key = key
         self._rows = torch.tensor(rows, dtype=torch.int64, device=self._dev)
