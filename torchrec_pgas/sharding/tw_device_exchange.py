@@ -131,9 +131,10 @@ class DeviceTwExchange(BaseTwExchange):
         """Puts this rank's ids for the next step into every owner's slot; returns the
         step."""
         x = send_input(kjt, self._host_problem(kjt), self._weighted, self._routing, self._dev)
-        buffers = self._buffers if self._buffers is not None else self._allocate(x.batch, x.offsets)
-        layout = self._layout
-        assert layout is not None
+        if self._layout is None:
+            self._allocate_once(x.batch, x.offsets)
+        buffers, layout = self._buffers, self._layout
+        assert buffers is not None and layout is not None
         # A pipeline may send the next batch before this one's lookup; only a send that
         # reuses the held slots' generation means the lookup is not coming.
         if buffers.held is not None and self._send_step + 1 - buffers.held >= DEFAULT_DEPTH:
@@ -159,7 +160,7 @@ class DeviceTwExchange(BaseTwExchange):
     def _routable(self, pos: List[int]) -> bool:
         return all(len(runs_of(part)) <= MAX_RUNS for part in per_owner(self._counts, pos))
 
-    def _allocate(self, batch_size: int, offsets: torch.Tensor) -> DeviceBuffers:
+    def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective)."""
         t, world, me = self._t, self._t.world_size, self._me
         t.reclaim()  # the buffers of models gone since the last allocation
@@ -185,7 +186,6 @@ class DeviceTwExchange(BaseTwExchange):
         self._grad_scale = float(torch.tensor(1.0) / world)
         torch.cuda.synchronize(self._dev)
         t.barrier()
-        return buffers
 
     # ---------------------------------------------------------------- receive
 
