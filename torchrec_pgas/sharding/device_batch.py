@@ -13,6 +13,7 @@ from torchrec_pgas.kernels.bag_offsets import scan_state
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, IdsSlotLayout, Status
+from torchrec_pgas.sharding.device_routing import IdsRouting
 from torchrec_pgas.sharding.tw_base import TwFeature, route_of
 
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
@@ -98,7 +99,7 @@ class SendInput(NamedTuple):
 
 def send_input(
     kjt: KeyedJaggedTensor, host_problem: Optional[Tuple[Status, Tuple[int, ...], int]], weighted: bool,
-    routing: Any, device: torch.device,
+    routing: IdsRouting, device: torch.device,
 ) -> SendInput:
     """``kjt`` for a send: ``host_problem`` is what the host sees wrong with it
     (``BaseTwExchange._host_problem``), ``routing`` routes its ids to their owners."""

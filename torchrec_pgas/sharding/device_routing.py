@@ -5,7 +5,7 @@ requester's output slot (``OutputBlocks``); then the per-rank address tables tha
 follow from both and the buffers (``PeerTables``)."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,22 @@ def per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
     owner's part, ``counts[w]`` features for owner ``w``."""
     starts = [sum(counts[:w]) for w in range(len(counts))]
     return [list(pos[s : s + c]) for s, c in zip(starts, counts)]
+
+
+class IdsRouting(Protocol):
+    """Which owner gets which of a batch's ids (``TableWiseIds``, ``RowBlockIds``)."""
+
+    def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
+        """The batch's ``values, offsets, lengths, weights`` with each owner's part
+        contiguous, owner by owner (``routed_features`` says where)."""
+
+    def unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Offsets and lengths in the routed layout for a batch that is not routed."""
+
+    def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
+        """Where owner ``owner``'s features, in its lookup's order, are in the routed
+        batch (``input_pos``: where each of the sharding's input features is in the
+        batches given, see ``adopt_input_order``)."""
 
 
 class TableWiseIds:

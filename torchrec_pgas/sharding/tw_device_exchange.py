@@ -67,6 +67,7 @@ from torchrec_pgas.sharding.device_batch import (
     send_input,
 )
 from torchrec_pgas.sharding.device_routing import (
+    IdsRouting,
     OutputBlocks,
     PeerTables,
     TableWiseIds,
@@ -102,7 +103,7 @@ class DeviceTwExchange(BaseTwExchange):
         weighted: bool,
         lookup_reads_only_bags: bool,
         fused_lookup: bool,
-        routing: Any = None,
+        routing: Optional[IdsRouting] = None,
         output: Optional[OutputBlocks] = None,
         **plan: Any,
     ) -> None:
@@ -111,7 +112,7 @@ class DeviceTwExchange(BaseTwExchange):
         self._dev = transport.device
         self._me = transport.rank
         self._counts = [len(f) for f in self._features_per_rank]
-        self._routing = routing if routing is not None else TableWiseIds(self._counts)
+        self._routing: IdsRouting = routing if routing is not None else TableWiseIds(self._counts)
         self._output = output if output is not None else OutputBlocks(1, 0, self._dim_total, tuple(self._col_offsets))
         self._group_sizes = list(group_sizes)
         self._weighted = weighted
