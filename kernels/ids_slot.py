@@ -22,10 +22,11 @@ import torch
 
 HEADER_WORDS = 8
 
-#: The capacity a slot has where the first batch has no samples (no ids) on every
-#: rank: an empty first batch (a warm-up) must not size the buffers at nothing for good.
-MIN_BATCH_CAPACITY = 64
-MIN_IDS_CAPACITY = 1024
+#: The least capacity of a slot, whatever the first batch: a tiny, empty or refused
+#: first batch (a warm-up, a smoke test) must not size the buffers for good at a few
+#: samples. A slot of this size is about 100 KB per source and owner.
+MIN_BATCH_CAPACITY = 128
+MIN_IDS_CAPACITY = 8192
 
 
 class Status(IntEnum):
@@ -96,14 +97,19 @@ class IdsSlotLayout:
 
     @staticmethod
     def for_batch(
-        max_features: int, batch_size: int, num_ids: int, headroom: float
+        max_features: int,
+        batch_size: int,
+        num_ids: int,
+        headroom: float,
+        min_batch: int = MIN_BATCH_CAPACITY,
+        min_ids: int = MIN_IDS_CAPACITY,
     ) -> "IdsSlotLayout":
-        """Capacities ``headroom`` times the given batch; ``MIN_BATCH_CAPACITY``
-        samples and ``MIN_IDS_CAPACITY`` ids for a batch of none."""
+        """Capacities ``headroom`` times the given batch, and at least ``min_batch``
+        samples and ``min_ids`` ids."""
         return IdsSlotLayout(
             max_features=max_features,
-            batch_capacity=math.ceil(batch_size * headroom) if batch_size > 0 else MIN_BATCH_CAPACITY,
-            ids_capacity=math.ceil(num_ids * headroom) if num_ids > 0 else MIN_IDS_CAPACITY,
+            batch_capacity=max(math.ceil(batch_size * headroom), min_batch, 1),
+            ids_capacity=max(math.ceil(num_ids * headroom), min_ids, 1),
         )
 
     @functools.cached_property
@@ -165,8 +171,8 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
             f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
             f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
             f"the buffers are sized at the first batch times PgasOptions.headroom "
-            f"({MIN_BATCH_CAPACITY} samples, {MIN_IDS_CAPACITY} ids if it had none); "
-            f"raise headroom"
+            f"(at least {MIN_BATCH_CAPACITY} samples and {MIN_IDS_CAPACITY} ids); "
+            f"raise headroom, or make the first batch the largest"
         )
     if header.status == Status.BAD_LENGTHS and d[0] == -3:
         return f"rank {source} sent a KJT whose values, lengths or weights are not 1-D ({d[1]} dimensions)"

@@ -150,7 +150,7 @@ def test_source_slots_match_the_oracle(k, seed, problem):
     weighted = bool(seed % 2)
     weights = torch.rand(values.numel(), generator=g) if weighted else None
     most = max([1] + [len(fs) for fs in routed])
-    layout = IdsSlotLayout.for_batch(most, B, values.numel(), 1.5)
+    layout = IdsSlotLayout.for_batch(most, B, values.numel(), 1.5, min_batch=1, min_ids=1)
     if problem == "too_large" and values.numel():
         values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
     if problem == "negative_id" and values.numel():
@@ -291,7 +291,7 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
     routed_lengths = torch.tensor(routed_lengths, dtype=torch.int32)
     routed_values = torch.cat(routed_values)
     routed_offsets = _offsets(routed_lengths)
-    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5)
+    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5, min_batch=1, min_ids=1)
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
     chunks = torch.zeros(W, 4, 3, dtype=torch.int64)

@@ -192,18 +192,33 @@ def test_row_wise_leaving_a_rank_without_rows_is_refused_on_every_rank():
     run_ranks(_row_wise_without_rows, WORLD, deadline_s=120)
 
 
-def _empty_first_batch(rank, world_size, mix):
-    """An empty first batch on every rank does not size the buffers at one sample and
-    one id for good: a batch of 40 samples follows, with the default headroom."""
+def _small_first_batch(rank, world_size, mix, first):
+    """A first batch that is empty on every rank, or of one sample and refused (an id
+    out of range on rank 1), does not size the buffers at one sample and one id for
+    good: a batch of 100 samples follows, with the default headroom."""
     tables, ref, model = _model(mix)
-    empty = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.empty(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64), stride=0)
-    model(empty)
-    _check(model, tables, ref, _good(tables, 40 + rank, seed=rank), mix)
+    if first == "empty":
+        empty = KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"],
+            values=torch.empty(0, dtype=torch.int64),
+            lengths=torch.zeros(0, dtype=torch.int64),
+            stride=0,
+        )
+        model(empty)
+    else:
+        out_of_range = tables[0].num_embeddings if rank == 1 else 0
+        tiny = KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.tensor([out_of_range, 0, 0]), lengths=torch.tensor([1, 1, 1])
+        )
+        with pytest.raises(PgasInputError, match="rank 1 sent id"):
+            model(tiny)
+    _check(model, tables, ref, _good(tables, 100 + rank, seed=rank), mix)
 
 
+@pytest.mark.parametrize("first", ["empty", "refused"])
 @pytest.mark.parametrize("mix", ["pgas_tw alone", "pgas_tw+pgas_rw"])
-def test_an_empty_first_batch_does_not_size_capacity_for_good(mix):
-    run_ranks(_empty_first_batch, WORLD, mix=mix, deadline_s=120)
+def test_a_small_first_batch_does_not_size_capacity_for_good(mix, first):
+    run_ranks(_small_first_batch, WORLD, mix=mix, first=first, deadline_s=120)
 
 
 def _options_differ(rank, world_size, mix):

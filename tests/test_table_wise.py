@@ -186,7 +186,7 @@ def _bad_input(rank, world_size):
     options = PgasOptions(timeout_s=20, headroom=1.5)
     _, pgas, tw = _models(world_size, tables, [0, 1, 0], False, seed=1, options=options)
     good = random_kjt(tables, 4, seed=rank)
-    assert_same_kt(pgas(good), tw(good), exact=True)  # sizes the buffers: 6 samples
+    assert_same_kt(pgas(good), tw(good), exact=True)  # sizes the buffers: 128 samples, the least
     bad = random_kjt(tables, 4, seed=rank)
     if rank == 1:
         values = bad.values()
@@ -198,8 +198,8 @@ def _bad_input(rank, world_size):
         negative.values()[0] = -3
     with pytest.raises(PgasInputError, match="rank 0 sent id -3 for feature 'f0'"):
         pgas(negative)
-    big = random_kjt(tables, 4 if rank == 0 else 7, seed=rank)
-    with pytest.raises(PgasInputError, match=r"rank 1's batch \(7 samples.* over capacity \(6 samples"):
+    big = random_kjt(tables, 4 if rank == 0 else 200, seed=rank)  # past the least capacity
+    with pytest.raises(PgasInputError, match=r"rank 1's batch \(200 samples.* over capacity \(128 samples"):
         pgas(big)
     assert_same_kt(pgas(good), tw(good), exact=True)
     # Owners in feature order, then out of it (TorchRec permutes the KJT, trusting its
