@@ -95,13 +95,13 @@ def _left_to_the_exchange(features: KeyedJaggedTensor) -> bool:
     return _input_problem(features) is not None
 
 
-def _empty_batch(keys: List[str]) -> KeyedJaggedTensor:
-    """A batch of no samples with the features ``keys``: what a PGAS sharding is given
-    in place of a batch it reports a problem for."""
+def _empty_batch(keys: List[str], device: torch.device) -> KeyedJaggedTensor:
+    """A batch of no samples with the features ``keys`` on ``device``: what a PGAS
+    sharding is given in place of a batch it reports a problem for."""
     return KeyedJaggedTensor(
         keys=keys,
-        values=torch.empty(0, dtype=torch.int64),
-        lengths=torch.empty(0, dtype=torch.int64),
+        values=torch.empty(0, dtype=torch.int64, device=device),
+        lengths=torch.empty(0, dtype=torch.int64, device=device),
         stride=0,
     )
 
@@ -206,7 +206,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for sharding in pgas:
                 sharding.report_input_problem(*(report or (Status.FAILED, (f"its {problem}",))))
             try:
-                return super().input_dist(ctx, _empty_batch(self._batch_keys or self._sharding_feature_names()))
+                return super().input_dist(ctx, _empty_batch(self._batch_keys or self._sharding_feature_names(), features.device()))
             finally:
                 # Each send took its report; one that failed before sending must not pass
                 # the report on to the next batch.
