@@ -3,7 +3,7 @@
 ``JITFunction.run`` spends tens of microseconds of Python on every launch (device and
 stream, binding and specializing the arguments, the cache key, the check of global
 values, launch metadata) before it calls the compiled kernel's launcher. A PGAS step
-launches about ten kernels, and at R1 the step time is the host's time.
+launches about ten kernels, and at typical batch sizes a step's time is the host's.
 
 ``Launcher`` sends a launch whose specialization it has seen straight to that compiled
 kernel's launcher. It finds the specialization without Triton's binder where it can:

@@ -15,8 +15,8 @@ GPU scope: they all run on this GPU), and the last of them (``done`` reaches
 ``done_target``) resets it for the next launch and adds one to the requester's counter
 with release semantics at system scope. Release is cumulative, so that count publishes
 the rows every program of the block stored. Programs of blocks past the requester's
-batch (half the grid with the default headroom) return at once: a system-scope tick
-per program, idle ones included, made the kernel 1.16x slower on one H200 at R1.
+batch (half the grid with the default headroom) return at once rather than each pay
+a system-scope tick.
 
 Buffers:
     slots:     uint8, this step's generation of the ids mailbox: S slots of
@@ -51,12 +51,12 @@ from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, wait_ge
 from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
-#: One warp per bag, as FBGEMM (the fastest of BLOCK_B x warps = 2x2, 4x2, 4x4, 8x4, 8x8 at R1).
+#: One warp per bag, as FBGEMM.
 BLOCK_B = 2
 BLOCK_D = 128
 NUM_WARPS = 2
-#: Rows of a bag loaded at once: 8 and 16 were 1.1x to 1.4x slower than 4 on one H200
-#: (R1's owner side, dims 32 to 256, 1 to 100 ids per bag): register pressure.
+#: Rows of a bag loaded at once: more rows in flight cost more in register pressure
+#: than the extra loads gain (CHANGELOG.md has the measurements).
 ROWS = 4
 #: Earlier features whose ids a program counts at once, at most (to find its bags' ids).
 MAX_FEATURES = 32

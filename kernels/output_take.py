@@ -1,8 +1,8 @@
 """Takes a requester's output of one step out of its output slot: waits for every
 owner's rows, copies them into the output (adding the owners' partial sums in rank
 order, for row-wise), then hands the slot back to the owners, and the ids slots back
-to their sources when the lookup pooled straight from them. One launch for what were a
-wait, a copy and two releases: at R1 the forward's last steps are the host's time.
+to their sources when the lookup pooled straight from them. One launch, since a step's
+time is mostly the host's and each launch costs the host more than the device.
 
 Program ``(blk, c)`` waits until every owner's counter for this rank has reached
 ``target`` (not once the error record holds an error, such as another program's timed
