@@ -37,8 +37,7 @@ def median_ms(
 
 def host(device: torch.device) -> Dict[str, Any]:
     """The host's CPU, and the median time of one small allocation on ``device``: the
-    steps compared are largely the host's time, so their ratios move with its speed
-    (on the same GPUs, TorchRec's forward took 1.3 to 3.1 ms from one lease to another)."""
+    steps compared are largely the host's time, so their ratios move with its speed."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:

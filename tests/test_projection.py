@@ -1,0 +1,146 @@
+"""The multi-node projection: an analytic model, so the tests hold it to what it claims
+(it reproduces what it was fitted on, and it moves the right way when a link slows
+or GPUs are added), and run its CLI on the committed GPU results."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchrec_pgas.benchmark.config import Config
+from torchrec_pgas.benchmark.projection import (
+    LABEL,
+    NODES,
+    Fit,
+    Links,
+    check,
+    fit,
+    fit_results,
+    forward_ms,
+    link_ms,
+    lookup_bytes,
+    peer_bytes,
+    scaled,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+R1 = os.path.join(ROOT, "examples", "benchmark_results", "gpu_2xh200_r1.json")
+#: How closely the model must give back the measured points it was fitted on.
+FIT_TOLERANCE = 0.01
+
+
+def _results():
+    with open(R1) as f:
+        return json.load(f)
+
+
+def _fits():
+    links = Links()
+    return links, fit_results(_results(), links)
+
+
+def test_the_fit_recovers_a_known_fixed_time_and_reproduces_its_points():
+    links, truth = Links(intra_gbps=300.0), Fit(fixed_ms=0.37, lookup_gbps=3000.0, overlapped=True)
+    points = [Config(tables=t, batch_size=b, ranks=r) for t, b, r in ((4, 8192, 1), (8, 8192, 2), (8, 4096, 2))]
+    measured = [(cfg, forward_ms(cfg, truth, links)) for cfg in points]
+    got = fit(measured, 3000.0, overlapped=True, links=links)
+    assert math.isclose(got.fixed_ms, 0.37, rel_tol=1e-9)
+    assert all(math.isclose(forward_ms(cfg, got, links), ms, rel_tol=1e-9) for cfg, ms in measured)
+
+
+def test_the_model_reproduces_the_measured_gpu_rows_it_is_fitted_on():
+    links, pairs = _fits()
+    rows = check(_results(), pairs, links)
+    assert len(rows) == 4 and all(r["fitted"] for r in rows)  # 2 pairs x (TorchRec, ours)
+    assert all(abs(r["rel_error"]) < FIT_TOLERANCE for r in rows), rows
+
+
+def test_check_compares_rows_it_was_not_fitted_on():
+    results = _results()
+    one_gpu = dict(results["rows"][0], scenario="weak", label="1 rank")
+    one_gpu["config"] = dict(one_gpu["config"], ranks=1, tables=4)
+    one_gpu["ours"] = dict(one_gpu["ours"], forward_ms=0.984)
+    results = dict(results, rows=results["rows"] + [one_gpu])
+    links, pairs = Links(), fit_results(results, Links())
+    held_out = [r for r in check(results, pairs, links) if not r["fitted"]]
+    assert [(r["row"], r["side"], r["gpus"]) for r in held_out] == [
+        ("weak: 1 rank", "baseline", 1), ("weak: 1 rank", "ours", 1)
+    ]
+    ours = held_out[1]
+    # One GPU: nothing crosses, so the model is the fixed time plus the lookup alone.
+    fitted = pairs[0].ours
+    expected = fitted.fixed_ms + lookup_bytes(Config(**one_gpu["config"])) / fitted.lookup_gbps / 1e6
+    assert math.isclose(ours["model_ms"], expected, rel_tol=1e-12)
+    assert math.isclose(ours["rel_error"], (expected - 0.984) / 0.984, rel_tol=1e-12)
+
+
+def test_link_time_splits_peers_between_nvlink_and_the_nics():
+    links = Links(intra_gbps=400.0, inter_gbps=50.0, gpus_per_node=8)
+    cfg = Config(tables=8, dim=128, batch_size=1000, ids_per_bag=20, ranks=16)
+    per_peer = 1000 * 8 * (20 * 8 + 128 * 4) / 16
+    assert peer_bytes(cfg) == per_peer
+    # 7 peers on the node over NVLink, 8 on the other node over the NICs, both at once.
+    assert math.isclose(link_ms(cfg, links), max(7 * per_peer / 400.0, 8 * per_peer / 50.0) / 1e6)
+    assert math.isclose(link_ms(dataclasses.replace(cfg, ranks=8), links), 7 * (per_peer * 2) / 400.0 / 1e6)
+    assert link_ms(dataclasses.replace(cfg, ranks=1), links) == 0.0
+
+
+def test_weak_scaling_time_never_falls_as_nodes_are_added():
+    links, pairs = _fits()
+    for pair in pairs:
+        for model in (pair.theirs, pair.ours):
+            times = [forward_ms(scaled(pair.base, "weak", n * 8), model, links) for n in NODES]
+            assert all(a <= b for a, b in zip(times, times[1:])), (pair.names, times)
+            assert times[-1] > times[0]  # crossing nodes costs something
+
+
+def test_slower_inter_node_links_make_every_multi_node_forward_slower():
+    links, pairs = _fits()
+    slow = dataclasses.replace(links, inter_gbps=links.inter_gbps / 4)
+    for pair in pairs:
+        for model in (pair.theirs, pair.ours):
+            for mode in ("weak", "strong"):
+                for n in NODES:
+                    cfg = scaled(pair.base, mode, n * 8)
+                    fast_ms, slow_ms = forward_ms(cfg, model, links), forward_ms(cfg, model, slow)
+                    assert slow_ms > fast_ms if n > 1 else slow_ms == fast_ms, (pair.names, mode, n)
+
+
+def test_strong_scaling_keeps_the_global_batch_and_shrinks_each_gpus_work():
+    base = Config(ranks=2, batch_size=8192)
+    cfgs = [scaled(base, "strong", n * 8) for n in NODES]
+    assert all(c.batch_size * c.ranks == 2 * 8192 for c in cfgs)
+    work = [lookup_bytes(c) for c in cfgs]
+    assert all(a > b for a, b in zip(work, work[1:]))
+    assert all(scaled(base, "weak", n * 8).batch_size == 8192 for n in NODES)
+
+
+def test_bad_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="at least one measured"):
+        fit([], 1000.0, overlapped=True, links=Links())
+    with pytest.raises(ValueError, match="lookup_gbps"):
+        fit([(Config(), 1.0)], 0.0, overlapped=True, links=Links())
+    with pytest.raises(ValueError, match="scaling mode 'both'"):
+        scaled(Config(), "both", 8)
+    with pytest.raises(ValueError, match="no rows with a 'config'"):
+        fit_results({"rows": [{"scenario": "weak"}]}, Links())
+
+
+def test_cli_projects_the_committed_gpu_results_and_labels_them(tmp_path):
+    out = str(tmp_path / "proj")
+    cmd = [sys.executable, "-m", "torchrec_pgas.benchmark.projection", "--results", R1, "--out", out]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = open(os.path.join(out, "projection.md")).read()
+    headings = [line for line in table.splitlines() if line.startswith("#")]
+    assert len(headings) == 4 and all(LABEL in h for h in headings)
+    rows = [line for line in table.splitlines() if line.startswith("| pgas_")]
+    assert len(rows) == 2 * 2 * len(NODES)  # 2 pairs x (weak, strong) x node counts
+    assert "| 16 | 128 |" in table and "+0.0% | fitted on |" in table
+    assert os.path.getsize(os.path.join(out, "projection.png")) > 10_000
+    with open(os.path.join(out, "projection.json")) as f:
+        assert json.load(f)["label"] == LABEL

@@ -1,0 +1,305 @@
+"""A projection (model, not measured) of the embedding forward on 1 to 16 nodes of 8
+GPUs, ours and TorchRec's (NCCL all-to-all), from the benchmark's single-node results.
+
+    python -m torchrec_pgas.benchmark.projection --results results.json --out projection
+
+Nothing here is measured beyond one node: the numbers are an analytic model fitted on
+the results file, and every table and plot it writes says so. The model, per GPU and
+per forward, for a configuration of ``N`` GPUs (``Config``: ``T`` tables of dim ``D``,
+``B`` samples per GPU, ``L`` ids per bag):
+
+* lookup: the owner reads ``B * T * L`` rows (and their ids) and writes ``B * T``
+  pooled rows, the tables spread evenly over the GPUs (a balanced placement: row-wise
+  for tables larger than a GPU's share), at the lookup bandwidth (the device's measured
+  copy bandwidth: the rate a memory-bound lookup reaches at best);
+* link: each peer gets ``B * T * (8 L + 4 D) / N`` bytes (its ids out, its pooled rows
+  back); the ``g - 1`` peers of the same node over NVLink, the others over the node's
+  NICs, both at once, so the link takes the slower of the two (bandwidths per GPU and
+  direction, stated in ``Links``);
+* fixed: a per-step time that does not depend on the data (launches, host work,
+  synchronization), fitted per implementation on the measured rows, plus a stated cost
+  per peer (``Links.pgas_peer_ms``, ``Links.nccl_peer_ms``).
+
+Ours overlaps the lookup and the link (the lookup kernel stores each pooled row straight
+into the requester's output): ``fixed + peers * pgas_peer_ms + max(lookup, link)``.
+TorchRec runs an all-to-all of the ids, the lookup, then an all-to-all of the pooled
+rows, one after the other: ``fixed + 2 * peers * nccl_peer_ms + lookup + link``
+(NCCL credited with the same link bandwidth as our puts).
+
+Weak scaling keeps the samples per GPU (and the tables) fixed as GPUs are added: the
+lookup per GPU stays, the share of bytes crossing nodes grows. Strong scaling keeps the
+global batch: the lookup per GPU shrinks as ``1 / N``.
+
+``check`` compares the model with every configuration in the results file, the ones it
+was fitted on and the ones it was not (1 and 2 GPUs: what one node here can measure).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+from torchrec_pgas.benchmark.config import Config
+
+LABEL = "projection (model, not measured)"
+NODES: Tuple[int, ...] = (1, 2, 4, 8, 16)
+MODES = ("weak", "strong")
+#: Device-initiated put+signal over NVLink 4 on 2 x H200 (1024 blocks, 256 MiB), used
+#: when the results file has no link bandwidth measured that way.
+DEFAULT_INTRA_GBPS = 347.0
+_ID_BYTES = 8
+_ELEM_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths per GPU and direction (GB/s) and costs per peer (ms): stated, not fitted.
+
+    ``inter_gbps`` defaults to 8 x 400 Gb/s NICs per node of 8 GPUs (50 GB/s per GPU);
+    the per-peer costs are what a peer adds to a step: a signal and its wait for ours,
+    a send/receive pair of an all-to-all for NCCL."""
+
+    intra_gbps: float = DEFAULT_INTRA_GBPS
+    inter_gbps: float = 50.0
+    gpus_per_node: int = 8
+    pgas_peer_ms: float = 0.001
+    nccl_peer_ms: float = 0.005
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One implementation's fitted per-step time, and its lookup bandwidth (GB/s)."""
+
+    fixed_ms: float
+    lookup_gbps: float
+    overlapped: bool  # ours: lookup and link at once; NCCL's: one after the other
+
+
+def lookup_bytes(cfg: Config) -> float:
+    """Memory traffic of one GPU's lookups (rows and ids read, pooled rows written)."""
+    row = cfg.dim * _ELEM_BYTES
+    return cfg.batch_size * cfg.tables * (cfg.ids_per_bag * (row + _ID_BYTES) + row)
+
+
+def peer_bytes(cfg: Config) -> float:
+    """Bytes one GPU sends to each peer (its ids there, the pooled rows it owes)."""
+    return cfg.batch_size * cfg.tables * (cfg.ids_per_bag * _ID_BYTES + cfg.dim * _ELEM_BYTES) / cfg.ranks
+
+
+def link_ms(cfg: Config, links: Links) -> float:
+    """NVLink and NICs carry their peers' bytes at once: the slower of the two."""
+    local = min(cfg.ranks, links.gpus_per_node) - 1
+    remote = cfg.ranks - 1 - local
+    nbytes = peer_bytes(cfg)
+    return max(local * nbytes / links.intra_gbps, remote * nbytes / links.inter_gbps) / 1e6
+
+
+def _variable_ms(cfg: Config, fit: Fit, links: Links) -> float:
+    """The model's time of ``cfg`` without the fitted fixed part."""
+    lookup = lookup_bytes(cfg) / fit.lookup_gbps / 1e6
+    peers = cfg.ranks - 1
+    if fit.overlapped:
+        return peers * links.pgas_peer_ms + max(lookup, link_ms(cfg, links))
+    return 2 * peers * links.nccl_peer_ms + lookup + link_ms(cfg, links)
+
+
+def forward_ms(cfg: Config, fit: Fit, links: Links) -> float:
+    """The model's forward time of ``cfg`` (see module doc)."""
+    return fit.fixed_ms + _variable_ms(cfg, fit, links)
+
+
+def fit(measured: Sequence[Tuple[Config, float]], lookup_gbps: float, overlapped: bool, links: Links) -> Fit:
+    """The fixed time that best fits ``(config, forward ms)`` points (least squares: the
+    mean residual), at a given lookup bandwidth."""
+    if not measured:
+        raise ValueError("fit needs at least one measured (config, forward ms) point")
+    if lookup_gbps <= 0:
+        raise ValueError(f"lookup_gbps must be positive, got {lookup_gbps}")
+    shape = Fit(0.0, lookup_gbps, overlapped)
+    fixed = statistics.fmean(ms - _variable_ms(cfg, shape, links) for cfg, ms in measured)
+    return dataclasses.replace(shape, fixed_ms=max(fixed, 0.0))
+
+
+def scaled(base: Config, mode: str, gpus: int) -> Config:
+    """``base`` on ``gpus`` GPUs: samples per GPU kept (weak) or the global batch kept (strong)."""
+    if mode == "weak":
+        return dataclasses.replace(base, ranks=gpus)
+    if mode == "strong":
+        return dataclasses.replace(base, ranks=gpus, batch_size=max(1, base.batch_size * base.ranks // gpus))
+    raise ValueError(f"unknown scaling mode {mode!r}: expected one of {MODES}")
+
+
+# ------------------------------------------------------------------ results file
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One (TorchRec, ours) sharding pair fitted on a results file."""
+
+    names: Tuple[str, str]
+    base: Config
+    theirs: Fit
+    ours: Fit
+    fitted_on: Tuple[str, ...]  # labels of the rows fitted on
+
+
+def _rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    rows = [r for r in results.get("rows", []) if "config" in r and "baseline" in r and "ours" in r]
+    if not rows:
+        raise ValueError("the results file has no rows with a 'config' (run `python -m torchrec_pgas.benchmark`)")
+    return rows
+
+
+def intra_gbps(results: Dict[str, Any]) -> Tuple[float, str]:
+    """The NVLink bandwidth to project with, and where it comes from: the results' own
+    device-initiated measurement if they have one, else ``DEFAULT_INTRA_GBPS``."""
+    measured = [r["link_gbps"] for r in _rows(results) if r.get("link_gbps")]
+    if measured:
+        return max(measured), "measured in the results' run (device-initiated put+signal)"
+    return DEFAULT_INTRA_GBPS, "stated (device-initiated put+signal on 2 x H200; not in the results file)"
+
+
+def fit_results(results: Dict[str, Any], links: Links, fit_scenario: str = "r1") -> List[Pair]:
+    """Per sharding pair: both implementations fitted on the rows of ``fit_scenario``
+    (all rows of the pair if it has none), at the rows' measured copy bandwidth."""
+    rows = _rows(results)
+    pairs = []
+    for names in dict.fromkeys(tuple(r["pair"]) for r in rows):
+        mine = [r for r in rows if tuple(r["pair"]) == names]
+        chosen = [r for r in mine if r["scenario"] == fit_scenario] or mine
+        lookup = statistics.median(r["copy_gbps"] for r in chosen)
+        points = lambda side: [(Config(**r["config"]), r[side]["forward_ms"]) for r in chosen]  # noqa: E731
+        pairs.append(Pair(
+            names=names, base=Config(**chosen[0]["config"]),
+            theirs=fit(points("baseline"), lookup, overlapped=False, links=links),
+            ours=fit(points("ours"), lookup, overlapped=True, links=links),
+            fitted_on=tuple(f"{r['scenario']}: {r['label']}" for r in chosen),
+        ))
+    return pairs
+
+
+def check(results: Dict[str, Any], pairs: List[Pair], links: Links) -> List[Dict[str, Any]]:
+    """The model against every measured row of the results: relative error per side."""
+    out = []
+    for r in _rows(results):
+        pair = next(p for p in pairs if p.names == tuple(r["pair"]))
+        cfg = Config(**r["config"])
+        label = f"{r['scenario']}: {r['label']}"
+        for side, model in (("baseline", pair.theirs), ("ours", pair.ours)):
+            measured, predicted = r[side]["forward_ms"], forward_ms(cfg, model, links)
+            out.append({
+                "row": label, "pair": r["pair"], "side": side, "gpus": cfg.ranks, "measured_ms": measured,
+                "model_ms": predicted, "rel_error": (predicted - measured) / measured,
+                "fitted": label in pair.fitted_on,
+            })
+    return out
+
+
+def project(pairs: List[Pair], links: Links, nodes: Sequence[int] = NODES) -> List[Dict[str, Any]]:
+    """The model's forward for every pair, scaling mode and node count."""
+    out = []
+    for pair in pairs:
+        for mode in MODES:
+            for n in nodes:
+                cfg = scaled(pair.base, mode, n * links.gpus_per_node)
+                theirs, ours = forward_ms(cfg, pair.theirs, links), forward_ms(cfg, pair.ours, links)
+                out.append({"pair": list(pair.names), "mode": mode, "nodes": n, "gpus": cfg.ranks,
+                            "batch_per_gpu": cfg.batch_size, "theirs_ms": theirs, "ours_ms": ours})
+    return out
+
+
+def markdown(pairs: List[Pair], links: Links, source: str, checked: List[Dict[str, Any]],
+             projected: List[Dict[str, Any]]) -> str:
+    lines = [
+        f"# Embedding forward on 1 to {max(NODES)} nodes: {LABEL}",
+        "",
+        f"Analytic model (`torchrec_pgas/benchmark/projection.py`), fitted on single-node measurements; "
+        f"nothing beyond one node was run. NVLink {links.intra_gbps:.0f} GB/s per GPU and direction ({source}); "
+        f"inter-node {links.inter_gbps:.0f} GB/s per GPU; {links.gpus_per_node} GPUs per node; per peer "
+        f"{links.pgas_peer_ms * 1e3:.1f} us (ours), {links.nccl_peer_ms * 1e3:.1f} us per all-to-all (NCCL).",
+        "",
+    ]
+    for pair in pairs:
+        lines.append(
+            f"- {pair.names[1]}: fixed {pair.ours.fixed_ms:.3f} ms; {pair.names[0]}: fixed "
+            f"{pair.theirs.fixed_ms:.3f} ms; lookup at {pair.ours.lookup_gbps:.0f} GB/s; base "
+            f"{pair.base.label()}; fitted on {len(pair.fitted_on)} row(s)"
+        )
+    for mode in MODES:
+        what = "samples per GPU fixed" if mode == "weak" else "global batch fixed"
+        lines += ["", f"## {mode.capitalize()} scaling ({what}): {LABEL}", "",
+                  "| pair | nodes | GPUs | samples/GPU | TorchRec ms | ours ms | TorchRec / ours |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in (p for p in projected if p["mode"] == mode):
+            lines.append(f"| {p['pair'][1]} vs {p['pair'][0]} | {p['nodes']} | {p['gpus']} | {p['batch_per_gpu']} | "
+                         f"{p['theirs_ms']:.3f} | {p['ours_ms']:.3f} | {p['theirs_ms'] / p['ours_ms']:.2f}x |")
+    lines += ["", f"## Check of the model against the measured rows ({LABEL})", "",
+              "| row | pair | side | GPUs | measured ms | model ms | error | |", "|---|---|---|---|---|---|---|---|"]
+    for c in checked:
+        lines.append(f"| {c['row']} | {c['pair'][1]} vs {c['pair'][0]} | {c['side']} | {c['gpus']} | "
+                     f"{c['measured_ms']:.3f} | {c['model_ms']:.3f} | {c['rel_error']:+.1%} | "
+                     f"{'fitted on' if c['fitted'] else 'held out'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(projected: List[Dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(10, 4), squeeze=False)
+    for ax, mode in zip(axes[0], MODES):
+        mine = [p for p in projected if p["mode"] == mode]
+        for i, names in enumerate(dict.fromkeys(tuple(p["pair"]) for p in mine)):
+            points = [p for p in mine if tuple(p["pair"]) == names]
+            nodes = [p["nodes"] for p in points]
+            ax.plot(nodes, [p["ours_ms"] for p in points], "-o", color=f"C{i}", label=f"{names[1]} (model)")
+            ax.plot(nodes, [p["theirs_ms"] for p in points], "--s", color=f"C{i}", label=f"{names[0]}, NCCL (model)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(NODES))
+        ax.set_xticklabels([str(n) for n in NODES])
+        ax.set_xlabel("nodes of 8 GPUs")
+        ax.set_ylabel("forward ms")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{mode} scaling: {LABEL}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Embedding forward, {LABEL}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: "Sequence[str] | None" = None) -> None:
+    p = argparse.ArgumentParser(description=f"Embedding forward on 1 to 16 nodes: {LABEL}")
+    p.add_argument("--results", required=True, help="results.json of `python -m torchrec_pgas.benchmark`")
+    p.add_argument("--out", required=True, help="directory for projection.md and projection.png")
+    p.add_argument("--fit-scenario", default="r1", help="the scenario whose rows the model is fitted on")
+    p.add_argument("--intra-gbps", type=float, help="NVLink GB/s per GPU and direction (default: see intra_gbps)")
+    p.add_argument("--inter-gbps", type=float, default=Links.inter_gbps, help="inter-node GB/s per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    p.add_argument("--pgas-peer-ms", type=float, default=Links.pgas_peer_ms)
+    p.add_argument("--nccl-peer-ms", type=float, default=Links.nccl_peer_ms)
+    args = p.parse_args(argv)
+    with open(args.results) as f:
+        results = json.load(f)
+    intra, source = (args.intra_gbps, "given") if args.intra_gbps else intra_gbps(results)
+    links = Links(intra, args.inter_gbps, args.gpus_per_node, args.pgas_peer_ms, args.nccl_peer_ms)
+    pairs = fit_results(results, links, args.fit_scenario)
+    checked, projected = check(results, pairs, links), project(pairs, links)
+    os.makedirs(args.out, exist_ok=True)
+    table = markdown(pairs, links, source, checked, projected)
+    with open(os.path.join(args.out, "projection.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "projection.json"), "w") as f:
+        json.dump({"label": LABEL, "links": dataclasses.asdict(links), "check": checked, "projection": projected},
+                  f, indent=1)
+    plot(projected, os.path.join(args.out, "projection.png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
