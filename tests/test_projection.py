@@ -44,12 +44,17 @@ def _fits():
 
 
 def test_the_fit_recovers_a_known_fixed_time_and_reproduces_its_points():
-    links, truth = Links(intra_gbps=300.0), Fit(fixed_ms=0.37, lookup_gbps=3000.0, overlapped=True)
+    links = Links(intra_gbps=300.0)
     points = [Config(tables=t, batch_size=b, ranks=r) for t, b, r in ((4, 8192, 1), (8, 8192, 2), (8, 4096, 2))]
-    measured = [(cfg, forward_ms(cfg, truth, links)) for cfg in points]
-    got = fit(measured, 3000.0, overlapped=True, links=links)
-    assert math.isclose(got.fixed_ms, 0.37, rel_tol=1e-9)
-    assert all(math.isclose(forward_ms(cfg, got, links), ms, rel_tol=1e-9) for cfg, ms in measured)
+    for overlapped in (True, False):
+        truth = Fit(fixed_ms=0.37, lookup_gbps=3000.0, overlapped=overlapped, exchange_ms=0.21)
+        measured = [(cfg, forward_ms(cfg, truth, links)) for cfg in points]
+        got = fit(measured, 3000.0, overlapped=overlapped, links=links)
+        assert math.isclose(got.fixed_ms, 0.37, rel_tol=1e-9) and math.isclose(got.exchange_ms, 0.21, rel_tol=1e-9)
+        assert all(math.isclose(forward_ms(cfg, got, links), ms, rel_tol=1e-9) for cfg, ms in measured)
+        # Without a 1-GPU point the exchange cannot be told from the rest: it goes into fixed.
+        got = fit(measured[1:], 3000.0, overlapped=overlapped, links=links)
+        assert math.isclose(got.fixed_ms, 0.58, rel_tol=1e-9) and got.exchange_ms == 0.0
 
 
 def test_the_model_reproduces_the_measured_gpu_rows_it_is_fitted_on():
@@ -73,6 +78,7 @@ def test_check_compares_rows_it_was_not_fitted_on():
     ours = held_out[1]
     # One GPU: nothing crosses, so the model is the fixed time plus the lookup alone.
     fitted = pairs[0].ours
+    assert fitted.exchange_ms == 0.0  # fitted on 2 GPUs only
     expected = fitted.fixed_ms + lookup_bytes(Config(**one_gpu["config"])) / fitted.lookup_gbps / 1e6
     assert math.isclose(ours["model_ms"], expected, rel_tol=1e-12)
     assert math.isclose(ours["rel_error"], (expected - 0.984) / 0.984, rel_tol=1e-12)

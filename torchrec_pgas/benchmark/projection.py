@@ -16,14 +16,17 @@ per forward, for a configuration of ``N`` GPUs (``Config``: ``T`` tables of dim 
   back); the ``g - 1`` peers of the same node over NVLink, the others over the node's
   NICs, both at once, so the link takes the slower of the two (bandwidths per GPU and
   direction, stated in ``Links``);
-* fixed: a per-step time that does not depend on the data (launches, host work,
-  synchronization), fitted per implementation on the measured rows, plus a stated cost
-  per peer (``Links.pgas_peer_ms``, ``Links.nccl_peer_ms``).
+* fixed: a per-step time that does not depend on the data (launches, host work),
+  plus, on more than one GPU, the per-step cost of having an exchange at all
+  (collectives' set-up, synchronization): both fitted per implementation on the
+  measured rows (the second only when rows on 1 GPU and on more are both fitted on;
+  otherwise it stays in the first), plus a stated cost per peer
+  (``Links.pgas_peer_ms``, ``Links.nccl_peer_ms``).
 
 Ours overlaps the lookup and the link (the lookup kernel stores each pooled row straight
-into the requester's output): ``fixed + peers * pgas_peer_ms + max(lookup, link)``.
+into the requester's output): ``fixed + exchange + peers * pgas_peer_ms + max(lookup, link)``.
 TorchRec runs an all-to-all of the ids, the lookup, then an all-to-all of the pooled
-rows, one after the other: ``fixed + 2 * peers * nccl_peer_ms + lookup + link``
+rows, one after the other: ``fixed + exchange + 2 * peers * nccl_peer_ms + lookup + link``
 (NCCL credited with the same link bandwidth as our puts).
 
 Weak scaling keeps the samples per GPU (and the tables) fixed as GPUs are added: the
@@ -71,11 +74,13 @@ class Links:
 
 @dataclass(frozen=True)
 class Fit:
-    """One implementation's fitted per-step time, and its lookup bandwidth (GB/s)."""
+    """One implementation's fitted per-step times (``exchange_ms`` only on more than one
+    GPU), and its lookup bandwidth (GB/s)."""
 
     fixed_ms: float
     lookup_gbps: float
     overlapped: bool  # ours: lookup and link at once; NCCL's: one after the other
+    exchange_ms: float = 0.0
 
 
 def lookup_bytes(cfg: Config) -> float:
@@ -101,9 +106,10 @@ def _variable_ms(cfg: Config, fit: Fit, links: Links) -> float:
     """The model's time of ``cfg`` without the fitted fixed part."""
     lookup = lookup_bytes(cfg) / fit.lookup_gbps / 1e6
     peers = cfg.ranks - 1
+    exchange = fit.exchange_ms if peers else 0.0
     if fit.overlapped:
-        return peers * links.pgas_peer_ms + max(lookup, link_ms(cfg, links))
-    return 2 * peers * links.nccl_peer_ms + lookup + link_ms(cfg, links)
+        return exchange + peers * links.pgas_peer_ms + max(lookup, link_ms(cfg, links))
+    return exchange + 2 * peers * links.nccl_peer_ms + lookup + link_ms(cfg, links)
 
 
 def forward_ms(cfg: Config, fit: Fit, links: Links) -> float:
@@ -112,15 +118,21 @@ def forward_ms(cfg: Config, fit: Fit, links: Links) -> float:
 
 
 def fit(measured: Sequence[Tuple[Config, float]], lookup_gbps: float, overlapped: bool, links: Links) -> Fit:
-    """The fixed time that best fits ``(config, forward ms)`` points (least squares: the
-    mean residual), at a given lookup bandwidth."""
+    """The fixed times that best fit ``(config, forward ms)`` points (least squares: mean
+    residuals), at a given lookup bandwidth: ``fixed_ms`` from the 1-GPU points and
+    ``exchange_ms`` from the others where there are both, else all in ``fixed_ms``."""
     if not measured:
         raise ValueError("fit needs at least one measured (config, forward ms) point")
     if lookup_gbps <= 0:
         raise ValueError(f"lookup_gbps must be positive, got {lookup_gbps}")
     shape = Fit(0.0, lookup_gbps, overlapped)
-    fixed = statistics.fmean(ms - _variable_ms(cfg, shape, links) for cfg, ms in measured)
-    return dataclasses.replace(shape, fixed_ms=max(fixed, 0.0))
+    residuals = [(cfg.ranks > 1, ms - _variable_ms(cfg, shape, links)) for cfg, ms in measured]
+    single = [r for multi, r in residuals if not multi]
+    multi = [r for many, r in residuals if many]
+    if not (single and multi):
+        return dataclasses.replace(shape, fixed_ms=max(statistics.fmean(single or multi), 0.0))
+    fixed = max(statistics.fmean(single), 0.0)
+    return dataclasses.replace(shape, fixed_ms=fixed, exchange_ms=max(statistics.fmean(multi) - fixed, 0.0))
 
 
 def scaled(base: Config, mode: str, gpus: int) -> Config:
@@ -162,18 +174,20 @@ def intra_gbps(results: Dict[str, Any]) -> Tuple[float, str]:
     return DEFAULT_INTRA_GBPS, "stated (device-initiated put+signal on 2 x H200; not in the results file)"
 
 
-def fit_results(results: Dict[str, Any], links: Links, fit_scenario: str = "r1") -> List[Pair]:
-    """Per sharding pair: both implementations fitted on the rows of ``fit_scenario``
-    (all rows of the pair if it has none), at the rows' measured copy bandwidth."""
+def fit_results(results: Dict[str, Any], links: Links, fit_scenarios: Sequence[str] = ("r1",)) -> List[Pair]:
+    """Per sharding pair: both implementations fitted on the rows of ``fit_scenarios``
+    (all rows of the pair if it has none), at the rows' measured copy bandwidth; the
+    projection starts from the first of them."""
     rows = _rows(results)
     pairs = []
     for names in dict.fromkeys(tuple(r["pair"]) for r in rows):
         mine = [r for r in rows if tuple(r["pair"]) == names]
-        chosen = [r for r in mine if r["scenario"] == fit_scenario] or mine
+        chosen = [r for r in mine if r["scenario"] in fit_scenarios] or mine
         lookup = statistics.median(r["copy_gbps"] for r in chosen)
         points = lambda side: [(Config(**r["config"]), r[side]["forward_ms"]) for r in chosen]  # noqa: E731
         pairs.append(Pair(
-            names=names, base=Config(**chosen[0]["config"]),
+            names=names, base=Config(**next(r for s in fit_scenarios for r in chosen if r["scenario"] == s)["config"])
+            if any(r["scenario"] in fit_scenarios for r in chosen) else Config(**chosen[0]["config"]),
             theirs=fit(points("baseline"), lookup, overlapped=False, links=links),
             ours=fit(points("ours"), lookup, overlapped=True, links=links),
             fitted_on=tuple(f"{r['scenario']}: {r['label']}" for r in chosen),
@@ -224,8 +238,9 @@ def markdown(pairs: List[Pair], links: Links, source: str, checked: List[Dict[st
     ]
     for pair in pairs:
         lines.append(
-            f"- {pair.names[1]}: fixed {pair.ours.fixed_ms:.3f} ms; {pair.names[0]}: fixed "
-            f"{pair.theirs.fixed_ms:.3f} ms; lookup at {pair.ours.lookup_gbps:.0f} GB/s; base "
+            f"- {pair.names[1]}: fixed {pair.ours.fixed_ms:.3f} ms + exchange {pair.ours.exchange_ms:.3f} ms; "
+            f"{pair.names[0]}: fixed {pair.theirs.fixed_ms:.3f} ms + exchange {pair.theirs.exchange_ms:.3f} ms; "
+            f"lookup at {pair.ours.lookup_gbps:.0f} GB/s; base "
             f"{pair.base.label()}; fitted on {len(pair.fitted_on)} row(s)"
         )
     for mode in MODES:
@@ -277,7 +292,8 @@ def main(argv: "Sequence[str] | None" = None) -> None:
     p = argparse.ArgumentParser(description=f"Embedding forward on 1 to 16 nodes: {LABEL}")
     p.add_argument("--results", required=True, help="results.json of `python -m torchrec_pgas.benchmark`")
     p.add_argument("--out", required=True, help="directory for projection.md and projection.png")
-    p.add_argument("--fit-scenario", default="r1", help="the scenario whose rows the model is fitted on")
+    p.add_argument("--fit-scenarios", default="r1",
+                   help="comma-separated scenarios whose rows the model is fitted on (the rest are held out)")
     p.add_argument("--intra-gbps", type=float, help="NVLink GB/s per GPU and direction (default: see intra_gbps)")
     p.add_argument("--inter-gbps", type=float, default=Links.inter_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
@@ -288,7 +304,7 @@ def main(argv: "Sequence[str] | None" = None) -> None:
         results = json.load(f)
     intra, source = (args.intra_gbps, "given") if args.intra_gbps else intra_gbps(results)
     links = Links(intra, args.inter_gbps, args.gpus_per_node, args.pgas_peer_ms, args.nccl_peer_ms)
-    pairs = fit_results(results, links, args.fit_scenario)
+    pairs = fit_results(results, links, args.fit_scenarios.split(","))
     checked, projected = check(results, pairs, links), project(pairs, links)
     os.makedirs(args.out, exist_ok=True)
     table = markdown(pairs, links, source, checked, projected)
