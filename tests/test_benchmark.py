@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from torchrec_pgas.benchmark.config import Config, scenarios
-from torchrec_pgas.benchmark.floor import floor_ms, traffic
+from torchrec_pgas.benchmark.floor import floor, traffic
 
 
 def test_weak_scaling_keeps_per_rank_work_and_strong_scaling_keeps_the_global_work():
@@ -29,7 +29,11 @@ def test_traffic_counts_the_busiest_owner():
     assert t.memory_bytes == lookups * (4 * 4 + 8) + owned * 2 * 5 * 4 * 4
     assert t.link_bytes == 1 * 5 * 2 * 8 + owned * 1 * 5 * 4 * 4
     assert traffic(Config(tables=3, ranks=1)).link_bytes == 0
-    assert math.isclose(floor_ms(cfg, copy=1.0, put=1.0), max(t.memory_bytes, t.link_bytes) / 1e6)
+    parts = floor(cfg, copy_gbps=2.0, link_gbps=0.5)
+    assert math.isclose(parts.memory_ms, t.memory_bytes / 2.0 / 1e6)
+    assert math.isclose(parts.link_ms, t.link_bytes / 0.5 / 1e6)
+    assert parts.floor_ms == max(parts.memory_ms, parts.link_ms)  # overlapped: the slower part
+    assert floor(Config(tables=3, ranks=1), copy_gbps=1.0, link_gbps=0.0).link_ms == 0.0  # nothing crosses
 
 
 def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
@@ -52,9 +56,14 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     assert all(r["identical"] for r in rows), "pgas_table_wise must equal table_wise bit for bit"
     assert all(r["pair"] == ["table_wise", "pgas_table_wise"] for r in rows)
     assert all(r["ours"][k] > 0 and r["baseline"][k] > 0 for r in rows for k in ("forward_ms", "dlrm_ms", "train_ms"))
+    # Both parts of the floor, at bandwidths measured in the run; a single rank has no link part.
+    assert all(r["copy_gbps"] > 0 and r["memory_ms"] > 0 for r in rows)
+    assert all((r["link_gbps"] > 0 and r["link_ms"] > 0) == (r["config"]["ranks"] > 1) for r in rows)
+    assert all(r["floor_ms"] == max(r["memory_ms"], r["link_ms"]) for r in rows)
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
     assert f"{host['alloc_us']:.1f} us per small allocation" in table.splitlines()[0]
+    assert f"{rows[0]['link_ms']:.3f} at {rows[0]['link_gbps']:.0f} GB/s" in table
     assert os.path.getsize(os.path.join(out, "speedup.png")) > 0
 
 

@@ -9,7 +9,8 @@ For every configuration of the chosen scenarios (``config.scenarios``) and every
 device offers both) it measures, median of ``--iters`` after ``--warmup`` (CUDA events
 on GPUs): the embedding forward (inference), a DLRM inference pass, and a training step
 (forward, backward, fused optimizer); it checks that the outputs agree, and puts the
-forward against the hardware floor (``floor``). Configurations on fewer ranks than
+forward against the hardware floor (``floor``: its memory and link parts, and their
+maximum). Configurations on fewer ranks than
 launched run on a subgroup. Results: ``OUT/results.json``, ``OUT/results.md`` and
 ``OUT/speedup.png``.
 """
@@ -86,9 +87,12 @@ def _time_dlrm(model, dense, kjts, device, pg, args) -> float:
 def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, Tuple[float, float]], args) -> List[Dict[str, Any]]:
     """Every pair on one configuration (on the ranks of ``pg``)."""
     if cfg.ranks not in bandwidth:  # measured once per group, in the same run
-        size = 1 << (28 if device.type == "cuda" else 24)
-        bandwidth[cfg.ranks] = (floor.copy_gbps(device, size), floor.put_gbps(pg, device, size))
-    copy, put = bandwidth[cfg.ranks]
+        cuda = device.type == "cuda"
+        bandwidth[cfg.ranks] = (
+            floor.copy_gbps(device, 1 << (28 if cuda else 24)), floor.link_gbps(pg, device, 1 << (26 if cuda else 24))
+        )
+    copy, link = bandwidth[cfg.ranks]
+    parts = floor.floor(cfg, copy, link)
     rows = []
     for pair in _pairs(device):
         begin = time.perf_counter()  # models built and timed: what a run of the pair costs
@@ -102,8 +106,8 @@ def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, 
         rows.append({
             "scenario": name, "label": cfg.label(), "short": _short(name, cfg), "config": vars(cfg),
             "pair": pair, "baseline": base, "ours": ours, "identical": bool(diff == 0),
-            "max_diff": float(diff), "floor_ms": floor.floor_ms(cfg, copy, put),
-            "copy_gbps": copy, "put_gbps": put, "wall_s": time.perf_counter() - begin,
+            "max_diff": float(diff), "floor_ms": parts.floor_ms, "memory_ms": parts.memory_ms,
+            "link_ms": parts.link_ms, "copy_gbps": copy, "link_gbps": link, "wall_s": time.perf_counter() - begin,
             "speedup_per_round": {
                 key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]
             },

@@ -1,20 +1,31 @@
-"""The hardware floor of a table-wise embedding forward.
+"""The hardware floor of a table-wise embedding forward, in two parts.
 
 Per configuration, the busiest rank (the owner of the most tables) must
 
 * read from memory every row its lookups touch, plus the ids, and write its pooled
-  rows: ``memory_bytes``;
+  rows: ``memory_bytes``, at the device's memory bandwidth (``copy_gbps``: a large
+  device-to-device copy, bytes read plus written) gives ``memory_ms``;
 * send the ids of the tables it does not own, and the pooled rows of its tables that
-  other ranks asked for: ``link_bytes`` (NVLink between GPUs, shared memory on CPUs).
+  other ranks asked for: ``link_bytes``, at the link bandwidth (``link_gbps``) gives
+  ``link_ms``.
 
-Both are measured against bandwidths taken in the same run: a device-to-device copy
-(``copy_gbps``, bytes read plus written) and a put of a large buffer into a peer
-through the PGAS transport (``put_gbps``). Memory traffic and link traffic overlap in
-the best case, so the floor is the larger of the two times.
+The link bandwidth is what the sharding's own puts can reach: on GPUs, a put+signal
+of tens of MiB issued from the device by many blocks at once (``put_signal``'s kernel,
+the path the lookup's pooled rows take), not one host-issued put, which reaches well
+under half of it; on CPUs, a put through the host transport (a shared-memory copy).
+
+The two parts are reported separately, and the floor combines them as their maximum:
+the one-sided design overlaps them (the lookup kernel stores each pooled row straight
+into the requester's output while it reads the next rows), so in the best case the
+forward takes as long as the slower of the two. A design that ran them one after the
+other (an all-to-all, then the lookup, then another all-to-all) would have their sum
+as its floor instead.
 """
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,12 +36,29 @@ from torchrec_pgas.types import PgasOptions
 
 _ID_BYTES = 8
 _ELEM_BYTES = 4  # fp32 tables and outputs
+#: Rows of ``put_signal``'s grid in the link measurement, each putting its own share
+#: of the buffer with ``PROGRAMS_PER_PEER`` blocks: 32 x 32 = 1024 blocks in flight,
+#: enough to saturate NVLink (fewer leave it partly idle).
+_LINK_ROWS = 32
+_LINK_REPS = 10
 
 
 @dataclass(frozen=True)
 class Traffic:
     memory_bytes: int
     link_bytes: int
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The floor's parts (ms) and their combination (see module doc)."""
+
+    memory_ms: float
+    link_ms: float
+
+    @property
+    def floor_ms(self) -> float:
+        return max(self.memory_ms, self.link_ms)
 
 
 def traffic(cfg: Config) -> Traffic:
@@ -44,9 +72,15 @@ def traffic(cfg: Config) -> Traffic:
     return Traffic(memory_bytes=memory, link_bytes=remote_ids + remote_rows if cfg.ranks > 1 else 0)
 
 
-def _time_ms(fn, device: torch.device, reps: int = 10) -> float:
-    import time
+def floor(cfg: Config, copy_gbps: float, link_gbps: float) -> Floor:
+    """The least time the forward of ``cfg`` can take at these bandwidths (GB/s), by part."""
+    t = traffic(cfg)
+    link_ms = t.link_bytes / link_gbps / 1e6 if t.link_bytes else 0.0
+    return Floor(memory_ms=t.memory_bytes / copy_gbps / 1e6, link_ms=link_ms)
 
+
+def _time_ms(fn: Callable[[], None], device: torch.device, reps: int = _LINK_REPS) -> float:
+    """Milliseconds per call of ``fn`` (after one untimed call), the device drained."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,28 +100,64 @@ def copy_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def put_gbps(pg: dist.ProcessGroup, device: torch.device, nbytes: int = 1 << 28) -> float:
-    """Bandwidth of one-sided puts of ``nbytes`` into the next rank's symmetric buffer
-    through the PGAS transport (collective; 0 on a single rank)."""
+def link_gbps(pg: dist.ProcessGroup, device: torch.device, nbytes: int = 1 << 26) -> float:
+    """Bandwidth (GB/s per direction) of every rank putting ``nbytes`` into the next
+    rank's symmetric buffer while the previous rank puts into its own: device-initiated
+    multi-block put+signal on GPUs, the host transport's put on CPUs (collective; the
+    slowest rank's; 0 on a single rank)."""
     world = dist.get_world_size(pg)
     if world == 1:
         return 0.0
     transport = get_transport(pg, device, PgasOptions())
-    buffer = transport.alloc(nbytes)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    peer = (dist.get_rank(pg) + 1) % world
-    transport.barrier()
-    ms = _time_ms(lambda: transport.put(buffer, peer, 0, src), device)
-    transport.barrier()
-    transport.free(buffer)
+    ms = _device_put_ms(transport, nbytes) if device.type == "cuda" else _host_put_ms(transport, nbytes, device)
     rate = torch.tensor([nbytes / ms / 1e6], device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=pg)
     return float(rate)
 
 
-def floor_ms(cfg: Config, copy: float, put: float) -> float:
-    """The least time the forward of ``cfg`` can take at these bandwidths (GB/s)."""
-    t = traffic(cfg)
-    memory_ms = t.memory_bytes / copy / 1e6
-    link_ms = t.link_bytes / put / 1e6 if t.link_bytes else 0.0
-    return max(memory_ms, link_ms)
+def _host_put_ms(transport, nbytes: int, device: torch.device) -> float:
+    buffer = transport.alloc(nbytes)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    peer = (transport.rank + 1) % transport.world_size
+    transport.barrier()
+    ms = _time_ms(lambda: transport.put(buffer, peer, 0, src), device)
+    transport.barrier()
+    transport.free(buffer)
+    return ms
+
+
+def _device_put_ms(transport, nbytes: int) -> float:
+    """Milliseconds per put+signal of ``nbytes`` to the next rank, from its launch to the
+    arrival of the previous rank's put here (a stream-ordered wait on its signal).
+
+    One launch of ``put_signal`` with ``_LINK_ROWS`` rows, all to the same peer, each
+    putting its own slice: the grid the sharding's exchange runs with many peers."""
+    from torchrec_pgas.kernels.put_signal import arrived, put_signal
+    from torchrec_pgas.kernels.signal_wait import signal_wait
+    from torchrec_pgas.kernels.signals import WAIT_DATA
+
+    device, me, world = transport.device, transport.rank, transport.world_size
+    nbytes -= nbytes % (_LINK_ROWS * 16)
+    share = nbytes // _LINK_ROWS
+    dst = transport.symmetric_tensor((nbytes,), torch.uint8)
+    ready = transport.symmetric_tensor((world,), torch.int64)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    peers = torch.full((_LINK_ROWS,), (me + 1) % world, dtype=torch.int32, device=device)
+    rows = torch.arange(_LINK_ROWS, dtype=torch.int64, device=device) * share
+    chunks = torch.stack([rows, rows + src.data_ptr(), torch.full_like(rows, share)], dim=1).view(-1, 1, 3)
+    sender = torch.tensor([(me - 1) % world], dtype=torch.int32, device=device)
+    no_wait = torch.zeros(world, dtype=torch.int64, device=device)
+    step = 0
+
+    def put_and_wait() -> None:
+        nonlocal step
+        step += 1
+        put_signal(peers, chunks, dst, ready, no_wait, transport.err, me, step, 0, transport.timeout_ns)
+        signal_wait(ready, sender, _LINK_ROWS * arrived(step), transport.err, WAIT_DATA.value, transport.timeout_ns)
+
+    torch.cuda.synchronize(device)
+    transport.barrier()
+    ms = _time_ms(put_and_wait, device)
+    transport.check("the floor's link measurement")
+    transport.free_tensors([dst, ready])
+    return ms

@@ -9,12 +9,13 @@ METRICS = (("forward_ms", "embedding forward"), ("dlrm_ms", "DLRM inference"), (
 
 
 def markdown(rows: List[Dict[str, Any]], header: str) -> str:
-    """One line per configuration and pair: times, speed-ups, agreement and floor."""
+    """One line per configuration and pair: times, speed-ups, agreement and floor (the
+    larger of its memory and link parts, see ``floor``)."""
     lines = [
         header,
         "",
         "| scenario | configuration | pair | forward ms (theirs / ours) | DLRM inference ms | "
-        "training step ms | outputs | floor ms | ours / floor |",
+        "training step ms | outputs | floor ms (memory / link) | ours / floor |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -28,9 +29,20 @@ def markdown(rows: List[Dict[str, Any]], header: str) -> str:
         lines.append(
             f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
             + " | ".join(cells)
-            + f" | {agree} | {r['floor_ms']:.3f} | {r['ours']['forward_ms'] / r['floor_ms']:.1f}x |"
+            + f" | {agree} | {_floor(r)} | {r['ours']['forward_ms'] / r['floor_ms']:.1f}x |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _floor(row: Dict[str, Any]) -> str:
+    """The floor and its parts, with the bandwidths they were taken at (results of
+    earlier versions have the combined floor only)."""
+    if "memory_ms" not in row:
+        return f"{row['floor_ms']:.3f}"
+    return (
+        f"{row['floor_ms']:.3f} ({row['memory_ms']:.3f} at {row['copy_gbps']:.0f} GB/s / "
+        f"{row['link_ms']:.3f} at {row['link_gbps']:.0f} GB/s)"
+    )
 
 
 def plot(rows: List[Dict[str, Any]], path: str) -> None:
