@@ -15,20 +15,30 @@ are put straight back to the owner the same way.
 Notation, per shard (all quantities are what TorchRec's ``ShardPerfContext`` holds;
 times in ms, bandwidths in bytes/ms as in TorchRec's topology)::
 
-    W        world size             L   = min(local world size, W)
+    W        world size             L   = the topology's local world size
     B        batch_outputs per rank  d   = embedding dim
     I        batch_inputs per rank   N   = sum(num_poolings * batch_sizes), bags per rank
     s_in     input dtype size        s_f, s_b = forward / backward comm dtype size
     BW_intra, BW_inter               the topology's intra- and inter-host bandwidths
     lambda   SIGNAL_LATENCY_MS, cost of one signal to one peer
 
-A put of X bytes spread evenly over the W ranks uses the intra-host links for the L
-ranks of the owner's host and the inter-host links for the rest, concurrently::
+Every rank requests the same batch size, so a shard's traffic X is X / W per rank in
+each direction: ids and lengths come in from every requester, pooled rows go out to
+every requester, gradients come back from every requester. Rank ``r`` is on host
+``r // L``. The bytes for ranks on the owner's host (the owner included: its own share
+is a put like any other) cross the intra-host links, the rest the inter-host links;
+the owner drives both at once, so with ``h`` the number of ranks on the owner's host::
 
-    T_put(X) = max(X * L / W / BW_intra, X * (W - L) / W / BW_inter)
+    T_put(X, h) = max(X * h / W / BW_intra, X * (W - h) / W / BW_inter)
+
+The planner estimates a shard before it places it, so the owner's host is unknown:
+``T_put(X)`` is the mean of ``T_put(X, h)`` over the W possible owners. When L divides
+W every host has ``h = L`` ranks and this is exactly ``T_put(X, L)``; on one host it is
+``X / BW_intra``, and inter-host bandwidth plays no part. With ::
+
     T_sig    = (W - 1) * lambda
 
-and the model is::
+the model is::
 
     input_dist_comms = T_put((I + N) * W * s_in) + T_sig             # ids + lengths
     fwd_comms        = max(0, T_put(B * W * d * s_f) - fwd_compute) + T_sig
@@ -37,7 +47,8 @@ and the model is::
 The ``max(0, put - compute)`` terms are the puts left exposed once they overlap the
 lookup (forward) or the gradient scatter (backward). TorchRec charges table-wise
 ``B * W * d * s / BW_a2a`` for each direction, with ``BW_a2a`` the intra-host bandwidth
-on one host and the inter-host one across hosts; since ``T_put`` never exceeds that, a
+on one host and the inter-host one for all bytes across hosts, although the bytes for
+the owner's own host never leave it; since ``T_put`` never exceeds that, a
 ``pgas_table_wise`` shard costs less than the same ``table_wise`` shard whenever
 ``min(T_put, compute) > T_sig``, i.e. for all but tiny tables on many ranks, where the
 signals are what it pays for and the planner rightly keeps ``table_wise``.
@@ -50,7 +61,7 @@ batched copy it does not need). The owner's lookup overlaps the puts as in table
 """
 
 from dataclasses import replace
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from torchrec.distributed.planner.estimator.estimator import (
     EmbeddingShardingPerfEvaluator,
@@ -108,14 +119,24 @@ class _PgasComms:
         return max(0.0, exposed) + _signals_ms(ctx)
 
     def _put_ms(self, ctx: ShardPerfContext, config: HardwarePerfConfig, nbytes: float) -> float:
-        """``T_put``: ``nbytes`` spread evenly over all ranks, intra and inter links at once."""
+        """``T_put``: ``nbytes`` spread evenly over all ranks, mean over the owner's host."""
         (intra_bw, inter_bw) = _link_bandwidths(ctx, config)
-        local = min(ctx.local_world_size, ctx.world_size)
-        remote = ctx.world_size - local
-        intra_ms = nbytes * local / ctx.world_size / intra_bw
-        # One host has no inter-host traffic, and its topology may leave that bandwidth 0.
-        inter_ms = nbytes * remote / ctx.world_size / inter_bw if remote else 0.0
-        return max(intra_ms, inter_ms)
+        world = ctx.world_size
+        per_rank = nbytes / world
+        total_ms = 0.0
+        for on_host in _host_sizes(world, ctx.local_world_size):
+            off_host = world - on_host
+            if off_host and inter_bw <= 0:
+                raise ValueError(
+                    f"the planner's topology spans {world} ranks, {ctx.local_world_size} "
+                    f"per host, but its inter_host_bw is {inter_bw}; PGAS puts to ranks on "
+                    "other hosts need a positive inter-host bandwidth"
+                )
+            intra_ms = per_rank * on_host / intra_bw
+            inter_ms = per_rank * off_host / inter_bw if off_host else 0.0
+            # ``on_host`` of the W possible owners are on a host of this size.
+            total_ms += on_host * max(intra_ms, inter_ms)
+        return total_ms / world
 
 
 class PgasTableWiseEvaluator(_PgasComms, TableWiseEvaluator):
@@ -179,7 +200,24 @@ def _link_bandwidths(
     assert comms is not None, "TorchRec builds every ShardPerfContext with comms bandwidths"
     intra = config.intra_host_bw if config.intra_host_bw is not None else comms.intra_host_bw
     inter = config.inter_host_bw if config.inter_host_bw is not None else comms.inter_host_bw
+    if intra <= 0:
+        raise ValueError(
+            f"the planner's topology has intra_host_bw {intra}; PGAS puts need a positive "
+            "intra-host bandwidth"
+        )
     return (intra, inter)
+
+
+def _host_sizes(world_size: int, local_world_size: int) -> List[int]:
+    """Ranks per host when rank ``r`` is on host ``r // local_world_size``."""
+    if local_world_size <= 0:
+        raise ValueError(
+            f"the planner's topology has local_world_size {local_world_size}; it must be positive"
+        )
+    return [
+        min(local_world_size, world_size - first)
+        for first in range(0, world_size, local_world_size)
+    ]
 
 
 def _signals_ms(ctx: ShardPerfContext) -> float:
