@@ -9,8 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from torchrec_pgas.benchmark.config import Config, scenarios
-from torchrec_pgas.benchmark.floor import floor, traffic
+from torchrec_pgas.benchmark.floor import floor, link_chunks, traffic
 
 
 def test_weak_scaling_keeps_per_rank_work_and_strong_scaling_keeps_the_global_work():
@@ -34,6 +37,19 @@ def test_traffic_counts_the_busiest_owner():
     assert math.isclose(parts.link_ms, t.link_bytes / 0.5 / 1e6)
     assert parts.floor_ms == max(parts.memory_ms, parts.link_ms)  # overlapped: the slower part
     assert floor(Config(tables=3, ranks=1), copy_gbps=1.0, link_gbps=0.0).link_ms == 0.0  # nothing crosses
+
+
+def test_link_measurement_puts_every_byte_once_from_many_blocks():
+    nbytes, src, blocks = (64 << 20) + 12345, 1 << 40, 32
+    chunks = link_chunks(nbytes, src, blocks)
+    dst_offset, src_address, size = chunks[:, 0, 0], chunks[:, 0, 1], chunks[:, 0, 2]
+    assert chunks.shape == (32, 1, 3) and chunks.dtype == torch.int64  # 32 rows x 32 blocks
+    assert (size == size[0]).all() and int(size[0]) % (blocks * 16) == 0  # equal aligned shares per block
+    assert torch.equal(dst_offset, torch.arange(32) * size[0])  # back to back, no overlap, from 0
+    assert torch.equal(src_address, src + dst_offset)
+    assert int(size.sum()) == 64 << 20  # rounded down by less than a unit (32 x 32 x 16 bytes)
+    with pytest.raises(ValueError, match="at least 16384 bytes, got 100"):
+        link_chunks(100, src, blocks)
 
 
 def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):

@@ -84,7 +84,9 @@ def _time_dlrm(model, dense, kjts, device, pg, args) -> float:
     return timing.median_ms(infer, args.iters, args.warmup, device, pg)
 
 
-def _run(name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, Tuple[float, float]], args) -> List[Dict[str, Any]]:
+def _run(
+    name: str, cfg: Config, pg, device: torch.device, bandwidth: Dict[int, Tuple[float, float]], args
+) -> List[Dict[str, Any]]:
     """Every pair on one configuration (on the ranks of ``pg``)."""
     if cfg.ranks not in bandwidth:  # measured once per group, in the same run
         cuda = device.type == "cuda"

@@ -109,13 +109,13 @@ def link_gbps(pg: dist.ProcessGroup, device: torch.device, nbytes: int = 1 << 26
     if world == 1:
         return 0.0
     transport = get_transport(pg, device, PgasOptions())
-    ms = _device_put_ms(transport, nbytes) if device.type == "cuda" else _host_put_ms(transport, nbytes, device)
-    rate = torch.tensor([nbytes / ms / 1e6], device=device)
+    gbps = _device_put_gbps(transport, nbytes) if device.type == "cuda" else _host_put_gbps(transport, nbytes, device)
+    rate = torch.tensor([gbps], device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=pg)
     return float(rate)
 
 
-def _host_put_ms(transport, nbytes: int, device: torch.device) -> float:
+def _host_put_gbps(transport, nbytes: int, device: torch.device) -> float:
     buffer = transport.alloc(nbytes)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     peer = (transport.rank + 1) % transport.world_size
@@ -123,28 +123,39 @@ def _host_put_ms(transport, nbytes: int, device: torch.device) -> float:
     ms = _time_ms(lambda: transport.put(buffer, peer, 0, src), device)
     transport.barrier()
     transport.free(buffer)
-    return ms
+    return nbytes / ms / 1e6
 
 
-def _device_put_ms(transport, nbytes: int) -> float:
-    """Milliseconds per put+signal of ``nbytes`` to the next rank, from its launch to the
-    arrival of the previous rank's put here (a stream-ordered wait on its signal).
+def link_chunks(nbytes: int, src_address: int, blocks_per_row: int) -> torch.Tensor:
+    """``put_signal``'s chunks (int64 [rows, 1, 3]: destination offset, source address,
+    bytes) for ``_LINK_ROWS`` rows that together put the first ``nbytes`` of
+    ``src_address`` at the same offsets of the destination, one slice each; rounded
+    down so that every block of a row gets the same whole number of 16-byte words."""
+    unit = _LINK_ROWS * blocks_per_row * 16
+    share = nbytes // unit * unit // _LINK_ROWS
+    if share == 0:
+        raise ValueError(f"the link measurement needs at least {unit} bytes, got {nbytes}")
+    offsets = torch.arange(_LINK_ROWS, dtype=torch.int64) * share
+    return torch.stack([offsets, offsets + src_address, torch.full_like(offsets, share)], dim=1).view(-1, 1, 3)
+
+
+def _device_put_gbps(transport, nbytes: int) -> float:
+    """GB/s of puts+signals of ``nbytes`` (rounded down, see ``link_chunks``) to the next
+    rank, each timed from its launch to the arrival of the previous rank's put here (a
+    stream-ordered wait on its signal).
 
     One launch of ``put_signal`` with ``_LINK_ROWS`` rows, all to the same peer, each
     putting its own slice: the grid the sharding's exchange runs with many peers."""
-    from torchrec_pgas.kernels.put_signal import arrived, put_signal
+    from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER, arrived, put_signal
     from torchrec_pgas.kernels.signal_wait import signal_wait
     from torchrec_pgas.kernels.signals import WAIT_DATA
 
     device, me, world = transport.device, transport.rank, transport.world_size
-    nbytes -= nbytes % (_LINK_ROWS * 16)
-    share = nbytes // _LINK_ROWS
-    dst = transport.symmetric_tensor((nbytes,), torch.uint8)
+    src = torch.ones(int(link_chunks(nbytes, 0, PROGRAMS_PER_PEER)[:, 0, 2].sum()), dtype=torch.uint8, device=device)
+    chunks = link_chunks(src.numel(), src.data_ptr(), PROGRAMS_PER_PEER).to(device)
+    dst = transport.symmetric_tensor((src.numel(),), torch.uint8)
     ready = transport.symmetric_tensor((world,), torch.int64)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     peers = torch.full((_LINK_ROWS,), (me + 1) % world, dtype=torch.int32, device=device)
-    rows = torch.arange(_LINK_ROWS, dtype=torch.int64, device=device) * share
-    chunks = torch.stack([rows, rows + src.data_ptr(), torch.full_like(rows, share)], dim=1).view(-1, 1, 3)
     sender = torch.tensor([(me - 1) % world], dtype=torch.int32, device=device)
     no_wait = torch.zeros(world, dtype=torch.int64, device=device)
     step = 0
@@ -160,4 +171,4 @@ def _device_put_ms(transport, nbytes: int) -> float:
     ms = _time_ms(put_and_wait, device)
     transport.check("the floor's link measurement")
     transport.free_tensors([dst, ready])
-    return ms
+    return src.numel() / ms / 1e6

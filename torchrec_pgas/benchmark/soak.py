@@ -101,7 +101,8 @@ def main() -> None:
     dist.all_reduce(counts)
     if rank == 0:
         medians = [w["median_ms"] for w in windows]
-        print(f"\n{world} x {torch.cuda.get_device_name(device)}, {args.minutes} min, {steps} training steps of each model")
+        name = torch.cuda.get_device_name(device)
+        print(f"\n{world} x {name}, {args.minutes} min, {steps} training steps of each model")
         print(f"{'t (s)':>8}{'median ms':>11}{'steps/s':>9}")
         for w in windows:
             print(f"{w['t_s']:>8.0f}{w['median_ms']:>11.3f}{w['steps_per_s']:>9.1f}")

@@ -110,7 +110,8 @@ def batches(cfg: Config, device: torch.device, n: int, rank: int) -> List[KeyedJ
         draw = lambda: scatter[torch.multinomial(weights, count, replacement=True, generator=g)]  # noqa: E731
     else:
         draw = lambda: torch.randint(0, cfg.rows, (count,), generator=g, device=device)  # noqa: E731
-    return [KeyedJaggedTensor(keys=[f"f{i}" for i in range(cfg.tables)], values=draw(), lengths=lengths) for _ in range(n)]
+    keys = [f"f{i}" for i in range(cfg.tables)]
+    return [KeyedJaggedTensor(keys=keys, values=draw(), lengths=lengths) for _ in range(n)]
 
 
 def steps(
