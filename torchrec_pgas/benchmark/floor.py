@@ -20,6 +20,10 @@ into the requester's output while it reads the next rows), so in the best case t
 forward takes as long as the slower of the two. A design that ran them one after the
 other (an all-to-all, then the lookup, then another all-to-all) would have their sum
 as its floor instead.
+
+The bandwidths alone, at several sizes, on every process of a launch:
+
+    torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark.floor
 """
 
 import math
@@ -41,6 +45,9 @@ _ELEM_BYTES = 4  # fp32 tables and outputs
 #: enough to saturate NVLink (fewer leave it partly idle).
 _LINK_ROWS = 32
 _LINK_REPS = 10
+#: Enough rounds of 64 MiB (about 4 ms at NVLink 4 speed) that the ranks' skew at the
+#: start, tens of microseconds, stays within a few percent.
+_DEVICE_LINK_REPS = 20
 
 
 @dataclass(frozen=True)
@@ -166,9 +173,29 @@ def _device_put_gbps(transport, nbytes: int) -> float:
         put_signal(peers, chunks, dst, ready, no_wait, transport.err, me, step, 0, transport.timeout_ns)
         signal_wait(ready, sender, _LINK_ROWS * arrived(step), transport.err, WAIT_DATA.value, transport.timeout_ns)
 
+    # A first round compiles the kernels, each rank in its own time: the ranks start
+    # the timed rounds together, else the first would wait for a peer's compiler.
+    put_and_wait()
     torch.cuda.synchronize(device)
     transport.barrier()
-    ms = _time_ms(put_and_wait, device)
+    ms = _time_ms(put_and_wait, device, reps=_DEVICE_LINK_REPS)
     transport.check("the floor's link measurement")
     transport.free_tensors([dst, ready])
     return src.numel() / ms / 1e6
+
+
+def main() -> None:
+    """Prints the copy and link bandwidths at 16, 64 and 256 MiB (rank 0)."""
+    from torchrec_pgas.process import finish, start_rank
+
+    device = start_rank()
+    group = dist.group.WORLD
+    for shift in (24, 26, 28):
+        copy, link = copy_gbps(device, 1 << shift), link_gbps(group, device, 1 << shift)
+        if dist.get_rank() == 0:
+            print(f"{1 << (shift - 20):>4} MiB: copy {copy:8.1f} GB/s, link {link:7.1f} GB/s per direction", flush=True)
+    finish()
+
+
+if __name__ == "__main__":
+    main()
