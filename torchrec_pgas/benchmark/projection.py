@@ -33,8 +33,19 @@ Weak scaling keeps the samples per GPU (and the tables) fixed as GPUs are added:
 lookup per GPU stays, the share of bytes crossing nodes grows. Strong scaling keeps the
 global batch: the lookup per GPU shrinks as ``1 / N``.
 
-``check`` compares the model with every configuration in the results file, the ones it
-was fitted on and the ones it was not (1 and 2 GPUs: what one node here can measure).
+``check`` compares the model with every configuration in the results files, the ones
+it was fitted on and the ones it was not (1 and 2 GPUs: what one node here can measure;
+on GPUs a launch measures on all its GPUs only, so the 1-GPU rows come from a launch of
+their own, its results file given next to the other).
+
+Limits, each a reason the projection is not a measurement: row-wise pairs are modelled
+with table-wise traffic (no partial sums); the lookup runs at the copy bandwidth, so
+all that a real lookup loses against it is counted in the fixed times, which then do
+not shrink with the batch; NCCL's all-to-all is credited with the puts' bandwidth, and
+neither with congestion in the network; R1's 8 tables are fewer than the GPUs of two
+nodes, so a balanced placement (row-wise) is assumed. A DLRM-shaped scenario (tables of
+very different sizes and pooling factors) is not modelled: the benchmark has none to
+fit on yet.
 """
 
 import argparse
@@ -290,7 +301,8 @@ def plot(projected: List[Dict[str, Any]], path: str) -> None:
 
 def main(argv: "Sequence[str] | None" = None) -> None:
     p = argparse.ArgumentParser(description=f"Embedding forward on 1 to 16 nodes: {LABEL}")
-    p.add_argument("--results", required=True, help="results.json of `python -m torchrec_pgas.benchmark`")
+    p.add_argument("--results", required=True, nargs="+",
+                   help="results.json of `python -m torchrec_pgas.benchmark` (several: their rows together)")
     p.add_argument("--out", required=True, help="directory for projection.md and projection.png")
     p.add_argument("--fit-scenarios", default="r1",
                    help="comma-separated scenarios whose rows the model is fitted on (the rest are held out)")
@@ -300,8 +312,10 @@ def main(argv: "Sequence[str] | None" = None) -> None:
     p.add_argument("--pgas-peer-ms", type=float, default=Links.pgas_peer_ms)
     p.add_argument("--nccl-peer-ms", type=float, default=Links.nccl_peer_ms)
     args = p.parse_args(argv)
-    with open(args.results) as f:
-        results = json.load(f)
+    results: Dict[str, Any] = {"rows": []}
+    for path in args.results:
+        with open(path) as f:
+            results["rows"] += json.load(f).get("rows", [])
     intra, source = (args.intra_gbps, "given") if args.intra_gbps else intra_gbps(results)
     links = Links(intra, args.inter_gbps, args.gpus_per_node, args.pgas_peer_ms, args.nccl_peer_ms)
     pairs = fit_results(results, links, args.fit_scenarios.split(","))
