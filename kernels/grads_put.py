@@ -15,12 +15,25 @@ An owner's slots of one step are therefore ``[S * batch_capacity, dim]`` rows,
 source-major, the gradient FBGEMM's backward takes: the owner reads them without a copy
 (rows past a source's batch belong to empty bags, which FBGEMM never reads).
 
+Compiled with ``PUT_PATH``, an owner without a peer mapping (its slot address 0: another
+node) is served through NVSHMEM: the program stores its scaled rows into a local
+symmetric staging buffer laid out as one generation of the owner's slot, puts them (one
+contiguous range, ``nvshmemx_putmem_nbi_block``), completes the put (``nvshmem_quiet``:
+the owner must not see the count before the rows, and the staging buffer is free again
+when the kernel ends) and counts in with a signal. Without ``PUT_PATH`` the kernel is
+the same code as before the put path existed.
+
 Buffers:
     grad:   [batch, pitch]  this rank's output gradient, rows of ``pitch`` elements
     dests:  int64 [P, 5]  per destination: owner rank, first column in ``grad``, dim
             (both multiples of 4), address of its gradient slot for this rank in
             generation 0 through the peer mapping (``ALIGN`` bytes aligned), address of
-            its counter word for this rank through the peer mapping
+            its counter word for this rank through the peer mapping; with ``PUT_PATH``,
+            int64 [P, PUT_DEST_WORDS]: those five (the two addresses 0 where there is no
+            mapping), then the owner's PE, the symmetric address of its gradient slot
+            for this rank in generation 0, the symmetric address of its counter word for
+            this rank, and the address of a local symmetric staging buffer of
+            ``batch_capacity`` rows of ``dim`` elements (``ALIGN`` bytes aligned)
     free:   int64 [world]  this rank's gradient free signals: free[q] is the last step
             owner q released
     err:    int64 [4]  error record (see ``signals.py``)
@@ -30,15 +43,19 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, count_in, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, count_in, signal_put, wait_ge
 
 BLOCK_B = 32
 BLOCK_D = 128
 NUM_WARPS = 4
 _DEST_WORDS = 5
+#: Words of a ``dests`` row with ``PUT_PATH``.
+PUT_DEST_WORDS = 9
 
 
+@nv.has_put_path
 @triton.jit(do_not_specialize=["batch", "generation_bytes", "free_target", "timeout_ns"])
 def grads_put_kernel(
     grad_ptr,
@@ -55,11 +72,15 @@ def grads_put_kernel(
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
     DEST_WORDS: tl.constexpr,
+    PUT_PATH: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     blk = tl.program_id(1)
     dest = dests_ptr + p * DEST_WORDS
     ok = True
+    if PUT_PATH:
+        staged = tl.load(dest + 3) == 0
+        pe = tl.load(dest + 5).to(tl.int32)
     if blk * BLOCK_B < batch:
         owner = tl.load(dest)
         if free_target > 0:
@@ -68,6 +89,8 @@ def grads_put_kernel(
             col = tl.multiple_of(tl.load(dest + 1), 4)
             dim = tl.multiple_of(tl.load(dest + 2), 4)
             slot = tl.load(dest + 3) + generation_bytes
+            if PUT_PATH:
+                slot = tl.where(staged, tl.load(dest + 8), slot)
             out = tl.multiple_of(slot.to(grad_ptr.dtype, bitcast=True), ALIGN)
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
@@ -81,9 +104,25 @@ def grads_put_kernel(
                 tl.store(out + dst_rows[:, None] + cols[None, :], scaled, mask=mask)
             # Every thread's stores are issued before the one release below.
             tl.debug_barrier()
+            if PUT_PATH:
+                if staged:
+                    size = grad_ptr.dtype.element_ty.primitive_bitwidth // 8
+                    # This program's rows are one range, in the slot as in the staging buffer.
+                    at = blk.to(tl.int64) * BLOCK_B * dim * size
+                    n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
+                    nbytes = n * dim.to(tl.int64) * size
+                    nv.putmem_nbi_block(tl.load(dest + 6) + generation_bytes + at, slot + at, nbytes, pe)
     if ok:
-        # The count address is the fifth word (``count_in`` takes a table and an index).
-        count_in(dest + 4, 0)
+        if PUT_PATH:
+            if staged:
+                # The rows have landed before the count that publishes them.
+                nv.quiet()
+                signal_put(tl.load(dest + 7), 1, nv.SIGNAL_ADD, pe)
+            else:
+                count_in(dest + 4, 0)
+        else:
+            # The count address is the fifth word (``count_in`` takes a table and an index).
+            count_in(dest + 4, 0)
 
 
 _launcher = Launcher(grads_put_kernel)
@@ -99,14 +138,23 @@ def grads_put(
     scale: float,
     free_target: int,
     timeout_ns: int,
+    *,
+    put_path: bool = False,
 ) -> None:
     """Launches ``(P, programs_per_source(batch_capacity))`` programs for ``grad``'s
-    ``grad.size(0)`` rows (see the module docstring)."""
+    ``grad.size(0)`` rows (see the module docstring). With ``put_path``, ``dests`` has
+    ``PUT_DEST_WORDS`` words a row and owners without a peer mapping are served through
+    NVSHMEM (which must be initialized)."""
     grid = (dests.size(0), programs_per_source(batch_capacity))
+    words = _DEST_WORDS
+    put = {}
+    if put_path:
+        put = nv.put_path_options("dests", dests, (dests.size(0), PUT_DEST_WORDS))
+        words = PUT_DEST_WORDS
     _launcher[grid](
         grad, dests, free, err, grad.size(0), grad.stride(0), generation_bytes, scale, free_target, timeout_ns,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * grad.element_size(), DEST_WORDS=_DEST_WORDS,
-        num_warps=NUM_WARPS,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * grad.element_size(), DEST_WORDS=words,
+        num_warps=NUM_WARPS, **put,
     )
 
 

@@ -18,6 +18,14 @@ the rows every program of the block stored. Programs of blocks past the requeste
 batch (half the grid with the default headroom) return at once rather than each pay
 a system-scope tick.
 
+Compiled with ``PUT_PATH``, a requester without a peer mapping (its ``out_addrs`` entry
+0: another node) is served through NVSHMEM, as in ``rows_put``: pooled rows go to a
+local symmetric staging buffer laid out as its output slot, each program puts its rows
+(``nvshmemx_putmem_nbi_block``) and completes them (``nvshmem_quiet``) before it ticks
+``done``, so when the last program of a block adds the one to the requester's counter
+(a signal) every row of the block has landed. Without ``PUT_PATH`` the kernel is the
+same code as before the put path existed.
+
 Buffers:
     slots:     uint8, this step's generation of the ids mailbox: S slots of
                ``slot_bytes``, each an ``ids_slot`` layout (header: status, batch size,
@@ -33,8 +41,13 @@ Buffers:
     out_like:  any tensor of the output's dtype (only its pointer type is used)
     out_addrs: int64 [S]  address of each requester's output slot of this step
                (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a multiple
-               of 4), through the peer mapping
+               of 4), through the peer mapping; with ``PUT_PATH``, int64
+               [PUT_ROWS, S], the table of ``rows_put``: that row (0 where there is no
+               mapping), then each requester's PE, the symmetric addresses of its
+               output slot and of its counter word for this owner, and the address of
+               a local symmetric staging buffer laid out as its output slot
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
+               (unused for a requester served by puts)
     done:      int64 [S, cdiv(batch_capacity, COUNT_B)]  programs of this launch finished
                per block of ``COUNT_B`` rows (zero between launches)
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
@@ -46,9 +59,11 @@ import triton
 import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
+from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
-from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, wait_ge
+from torchrec_pgas.kernels.rows_put import PUT_ROWS
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
 from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
 #: One warp per bag, as FBGEMM.
@@ -86,6 +101,7 @@ def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
     return tl.where(take[:, None], step, acc)
 
 
+@nv.has_put_path
 @triton.jit(
     do_not_specialize=[
         "batch_capacity", "slot_bytes", "ids_offset", "weights_offset",
@@ -119,6 +135,7 @@ def lookup_put_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     FEATURES: tl.constexpr,
+    PUT_PATH: tl.constexpr = False,
 ):
     # Blocks of bags on the first axis: the others take at most 65535 programs.
     blk = tl.program_id(0)
@@ -161,7 +178,11 @@ def lookup_put_kernel(
             tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), L.to(tl.float32)),
             1.0,
         )
-        out = tl.multiple_of(tl.load(out_addrs_ptr + s).to(out_like_ptr.dtype, bitcast=True), OUT_ALIGN)
+        out_addr = tl.load(out_addrs_ptr + s)
+        if PUT_PATH:
+            staged = out_addr == 0
+            out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
+        out = tl.multiple_of(out_addr.to(out_like_ptr.dtype, bitcast=True), OUT_ALIGN)
         dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
         longest = tl.max(L)
         for d0 in range(0, dim, BLOCK_D):
@@ -180,6 +201,18 @@ def lookup_put_kernel(
                 acc.to(out_like_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
+        if PUT_PATH:
+            if staged:
+                # Every thread's stores are issued before the block puts them.
+                tl.debug_barrier()
+                pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
+                size = out_like_ptr.dtype.element_ty.primitive_bitwidth // 8
+                at = col.to(tl.int64) * size
+                dst = tl.load(out_addrs_ptr + 2 * S + s) + at
+                n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
+                put_rows(dst, out_addr + at, pitch * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
+                # Landed before the tick: the count below publishes every program's rows.
+                nv.quiet()
     block = blk // (COUNT_B // BLOCK_B)
     if block * COUNT_B < batch:
         # Every thread's stores are issued before the tick.
@@ -189,7 +222,14 @@ def lookup_put_kernel(
             # Not after a program of the block timed out: the requester must time out
             # too rather than read rows that were never stored.
             if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
-                count_in(cnt_addrs_ptr, s)
+                if PUT_PATH:
+                    if tl.load(out_addrs_ptr + s) == 0:
+                        pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
+                        signal_put(tl.load(out_addrs_ptr + 3 * S + s), 1, nv.SIGNAL_ADD, pe)
+                    else:
+                        count_in(cnt_addrs_ptr, s)
+                else:
+                    count_in(cnt_addrs_ptr, s)
 
 
 _launcher = Launcher(lookup_put_kernel)
@@ -211,12 +251,17 @@ def lookup_put(
     has_weights: bool,
     free_target: int,
     timeout_ns: int,
+    *,
+    put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, S, F)`` programs (see the module
-    docstring)."""
-    S, F = out_addrs.numel(), features.size(0)
+    docstring). With ``put_path``, ``out_addrs`` is the ``[PUT_ROWS, S]`` table and
+    requesters without a peer mapping are served through NVSHMEM (which must be
+    initialized)."""
+    S, F = out_addrs.size(-1), features.size(0)
     if F == 0:
         return
+    put = nv.put_path_options("out_addrs", out_addrs, (PUT_ROWS, S)) if put_path else {}
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
@@ -225,7 +270,7 @@ def lookup_put(
         pitch, F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
         HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), OUT_ALIGN=4 * out_like.element_size(), COUNT_B=COUNT_B,
         BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, FEATURES=min(next_power_of_2(F), MAX_FEATURES),
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **put,
     )
 
 

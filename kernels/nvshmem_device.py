@@ -64,6 +64,15 @@ def fence(_semantic=None):
     )
 
 
+@core.extern
+def quiet(_semantic=None):
+    """``nvshmem_quiet()``: completes this thread's puts and signals (delivered at the
+    target, sources reusable)."""
+    return core.extern_elementwise(
+        "", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False, _semantic=_semantic
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def bitcode_libs() -> dict:
     """The ``extern_libs`` launch option that links NVSHMEM's device bitcode."""
@@ -84,3 +93,47 @@ def uses_nvshmem(kernel):
     """Marks a ``@triton.jit`` kernel as calling NVSHMEM device functions."""
     KERNELS_USING_NVSHMEM.add(kernel.fn.__name__)
     return kernel
+
+
+#: Names of the kernels that call NVSHMEM only when compiled with ``PUT_PATH=True`` (their
+#: path for peers without a peer mapping); compiled without it, they must not get
+#: ``module_init``. ``needs_module_init`` tells the two apart.
+KERNELS_WITH_PUT_PATH: set = set()
+
+
+def has_put_path(kernel):
+    """Marks a ``@triton.jit`` kernel as calling NVSHMEM when compiled with ``PUT_PATH``."""
+    KERNELS_WITH_PUT_PATH.add(kernel.fn.__name__)
+    return kernel
+
+
+def needs_module_init(name: str, metadata_group: dict) -> bool:
+    """Whether the compiled kernel ``name`` (``metadata_group``: its cache files, name to
+    path, as Triton's kernel-load hooks get them) calls NVSHMEM, so needs
+    ``nvshmem.core.module_init`` before its first launch. One kernel's two variants differ
+    (``PUT_PATH``), and only the variant's code says which it is: NVSHMEM's device state
+    is referenced exactly when NVSHMEM is called."""
+    if name in KERNELS_USING_NVSHMEM:
+        return True
+    if name not in KERNELS_WITH_PUT_PATH:
+        return False
+    ptx = next((path for file, path in metadata_group.items() if file.endswith(".ptx")), None)
+    if ptx is None:
+        return True  # cannot tell: the init of a module that does not need it fails loudly
+    with open(ptx) as f:
+        return "nvshmemi_device_state_d" in f.read()
+
+
+def put_path_options(name: str, table, shape: tuple) -> dict:
+    """The launch options of a kernel's ``PUT_PATH`` variant, once its put-path table
+    ``table`` (argument ``name``) is checked to be a contiguous int64 tensor of ``shape``:
+    the kernels read it by position, so a wrong shape would put data in wrong places
+    rather than fail."""
+    import torch
+
+    if table.dtype != torch.int64 or tuple(table.shape) != tuple(shape) or not table.is_contiguous():
+        raise ValueError(
+            f"{name}: the put path takes a contiguous int64 {list(shape)} table, got a "
+            f"{'' if table.is_contiguous() else 'non-contiguous '}{table.dtype} {list(table.shape)}"
+        )
+    return {"PUT_PATH": True, "extern_libs": bitcode_libs()}

@@ -8,6 +8,15 @@ adds one to ``s``'s counter for this owner with release semantics at system scop
 requester knows how many programs serve it (``cdiv(its batch, BLOCK_B)``), so it waits
 for its counter to reach the running total.
 
+Compiled with ``PUT_PATH``, a requester without a peer mapping (its ``out_addrs`` entry
+0: another node) is served through NVSHMEM instead: the program stores its rows into a
+local symmetric staging buffer laid out as the requester's output slot, puts each row
+there (``nvshmemx_putmem_nbi_block``), completes the puts (``nvshmem_quiet``: the
+requester must not see the count before the rows, and the staging buffer is free again
+when the kernel ends) and then adds the one to the requester's counter with a signal.
+Requesters with a mapping get the direct stores either way; without ``PUT_PATH`` the
+kernel is the same code as before the put path existed.
+
 Buffers:
     src:       [S * batch_capacity, dim] pooled rows, requester-major (dim a multiple
                of 4)
@@ -16,8 +25,14 @@ Buffers:
     out_addrs: int64 [S]  address of each requester's output slot of this step
                           (``ALIGN`` bytes aligned), rows of ``pitch`` elements, the
                           owner's block from column ``col`` (both multiples of 4),
-                          through the peer mapping
+                          through the peer mapping; with ``PUT_PATH``, int64
+                          [PUT_ROWS, S]: that row (0 where there is no mapping), then
+                          per requester its PE, the symmetric address of its output
+                          slot, the symmetric address of its counter word for this
+                          owner, and the address of a local symmetric staging buffer
+                          laid out as its output slot (read only where row 0 is 0)
     cnt_addrs: int64 [S]  address of each requester's counter word for this owner
+                          (unused for a requester served by puts)
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
     err:       int64 [4]  error record (see ``signals.py``)
 """
@@ -26,16 +41,22 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, put_rows, signal_put, wait_ge
 
 BLOCK_B = 32
 BLOCK_D = 128
 NUM_WARPS = 4
+#: Rows of the ``out_addrs`` table with ``PUT_PATH`` (``lookup_put``'s too): the
+#: addresses through the peer mapping, PEs, symmetric output slots, symmetric counter
+#: words, local staging buffers.
+PUT_ROWS = 5
 
 
 # dim, pitch and col are specialized: Triton then knows when they are multiples of 16
 # and moves 4 elements at once.
+@nv.has_put_path
 @triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "free_target", "timeout_ns"])
 def rows_put_kernel(
     src_ptr,
@@ -54,6 +75,7 @@ def rows_put_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
+    PUT_PATH: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     blk = tl.program_id(1)
@@ -63,7 +85,12 @@ def rows_put_kernel(
         if free_target > 0:
             ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
         if ok:
-            out = tl.multiple_of(tl.load(out_addrs_ptr + s).to(src_ptr.dtype, bitcast=True), ALIGN)
+            out_addr = tl.load(out_addrs_ptr + s)
+            if PUT_PATH:
+                S = tl.num_programs(0)
+                staged = out_addr == 0
+                out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
+            out = tl.multiple_of(out_addr.to(src_ptr.dtype, bitcast=True), ALIGN)
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
             src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
@@ -75,7 +102,20 @@ def rows_put_kernel(
                 tl.store(out + dst_rows[:, None] + cols[None, :], vals, mask=mask)
             # Every thread's stores are issued before the one release below.
             tl.debug_barrier()
-            count_in(cnt_addrs_ptr, s)
+            if PUT_PATH:
+                if staged:
+                    pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
+                    size = src_ptr.dtype.element_ty.primitive_bitwidth // 8
+                    at = col.to(tl.int64) * size
+                    dst = tl.load(out_addrs_ptr + 2 * S + s) + at
+                    n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
+                    put_rows(dst, out_addr + at, pitch.to(tl.int64) * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
+                    nv.quiet()
+                    signal_put(tl.load(out_addrs_ptr + 3 * S + s), 1, nv.SIGNAL_ADD, pe)
+                else:
+                    count_in(cnt_addrs_ptr, s)
+            else:
+                count_in(cnt_addrs_ptr, s)
 
 
 _launcher = Launcher(rows_put_kernel)
@@ -93,14 +133,19 @@ def rows_put(
     col: int,
     free_target: int,
     timeout_ns: int,
+    *,
+    put_path: bool = False,
 ) -> None:
-    """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)."""
+    """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring).
+    With ``put_path``, ``out_addrs`` is the ``[PUT_ROWS, S]`` table and requesters
+    without a peer mapping are served through NVSHMEM (which must be initialized)."""
     S, dim = batch.numel(), src.size(1)
     grid = (S, cdiv(batch_capacity, BLOCK_B))
+    put = nv.put_path_options("out_addrs", out_addrs, (PUT_ROWS, S)) if put_path else {}
     _launcher[grid](
         src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
         batch_capacity, dim, pitch, col, free_target, timeout_ns,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * src.element_size(), num_warps=NUM_WARPS,
+        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * src.element_size(), num_warps=NUM_WARPS, **put,
     )
 
 

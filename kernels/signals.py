@@ -1,5 +1,6 @@
 """Device helpers shared by the kernels: a signal wait with a timeout, the count of a
-launch's finished programs, and the count-in of stored rows.
+launch's finished programs, and the count-in of stored rows, through a peer mapping or
+(``put_rows``, ``signal_put``) through NVSHMEM for a peer without one.
 
 NVSHMEM's own ``nvshmem_signal_wait_until`` cannot time out, and a kernel that spins
 forever hangs the process with no message. These helpers spin with an acquire load
@@ -10,6 +11,8 @@ the host reads once per step (``[code, peer, what, value]``, int64).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
+
+from torchrec_pgas.kernels import nvshmem_device as nv
 
 #: What a wait was for, the third word of an error record.
 WAIT_SLOT_FREE = tl.constexpr(1)
@@ -56,3 +59,25 @@ def count_in(cnt_addrs_ptr, s):
     rows this program stored before are visible to whoever sees the count."""
     cnt = tl.load(cnt_addrs_ptr + s).to(tl.pointer_type(tl.int64), bitcast=True)
     tl.atomic_add(cnt, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def put_rows(dst, src, stride, row_bytes, first, n, pe):
+    """Puts rows ``first ... first + n - 1`` of ``row_bytes`` bytes, one every ``stride``
+    bytes from ``src`` (local, symmetric: a network put reads its source from the
+    symmetric heap) to ``dst`` (symmetric) on PE ``pe``: non-blocking, the block
+    cooperating on each row. ``nv.quiet()`` completes them."""
+    for i in range(n):
+        at = (first + i).to(tl.int64) * stride
+        nv.putmem_nbi_block(dst + at, src + at, row_bytes, pe)
+
+
+@triton.jit
+def signal_put(sig, value, op, pe):
+    """Applies ``op`` (``nv.SIGNAL_SET`` or ``nv.SIGNAL_ADD``) with ``value`` to the
+    signal word at symmetric address ``sig`` on PE ``pe``, once per program: an extern
+    runs in every thread, and a put-with-signal of no bytes is the block operation whose
+    signal one thread sends. It is ordered after nothing: ``nv.quiet()`` before it
+    completes the puts it publishes."""
+    nothing = tl.full((), 0, tl.int64)
+    nv.putmem_signal_nbi_block(sig, sig, nothing, sig, tl.cast(value, tl.uint64), op, pe)

@@ -5,6 +5,7 @@ they do; the GPU tests (tests/test_gpu.py) prove that on the device.
 """
 
 import os
+import re
 
 import pytest
 
@@ -21,6 +22,7 @@ from torchrec_pgas.kernels.grads_put import grads_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
 from torchrec_pgas.kernels import lookup_put  # noqa: E402
+from torchrec_pgas.kernels import nvshmem_device  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels import output_take  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
@@ -58,16 +60,17 @@ CASES = {
          "cnt_addrs_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
          "batch_capacity": "i32", "dim": "i32", "pitch": "i32", "col": "i32",
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr",
-         "BLOCK_D": "constexpr", "ALIGN": "constexpr"},
-        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16}],
+         "BLOCK_D": "constexpr", "ALIGN": "constexpr", "PUT_PATH": "constexpr"},
+        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "PUT_PATH": p} for p in (False, True)],
     ),
     "grads_put": (
         grads_put_kernel,
         {"grad_ptr": "*fp32", "dests_ptr": "*i64", "free_ptr": "*i64", "err_ptr": "*i64",
          "batch": "i64", "pitch": "i32", "generation_bytes": "i64", "scale": "fp32",
          "free_target": "i64", "timeout_ns": "i64", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
-         "ALIGN": "constexpr", "DEST_WORDS": "constexpr"},
-        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5}],
+         "ALIGN": "constexpr", "DEST_WORDS": "constexpr", "PUT_PATH": "constexpr"},
+        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5, "PUT_PATH": False},
+         {"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": grads_put.PUT_DEST_WORDS, "PUT_PATH": True}],
     ),
     "output_take": (
         output_take_kernel,
@@ -75,8 +78,9 @@ CASES = {
          "out_free_ptr": "*i64", "ids_free_ptr": "*i64", "done_ptr": "*i64", "err_ptr": "*i64",
          "record_ptr": "*i64", "batch": "i64", "rows": "i64", "pitch": "i32", "num_owners": "i64",
          "num_sources": "i64", "target": "i64", "out_step": "i64", "ids_step": "i64", "timeout_ns": "i64",
-         "at": "i64", "BLOCKS": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr"},
-        [{"BLOCKS": b, "BLOCK_B": 32, "BLOCK_D": 128} for b in (1, 2)],
+         "at": "i64", "BLOCKS": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
+         "PUT_PATH": "constexpr"},
+        [{"BLOCKS": b, "BLOCK_B": 32, "BLOCK_D": 128, "PUT_PATH": p} for b in (1, 2) for p in (False, True)],
     ),
     "ids_check": (
         ids_check_kernel,
@@ -140,9 +144,10 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
          "weights_offset": "i64", "pitch": "i32", "done_target": "i64", "free_target": "i64",
          "timeout_ns": "i64", "HAS_WEIGHTS": "constexpr", "ROW_ALIGN": "constexpr",
          "OUT_ALIGN": "constexpr", "COUNT_B": "constexpr", "BLOCK_B": "constexpr", "BLOCK_D": "constexpr",
-         "ROWS": "constexpr", "FEATURES": "constexpr"},
+         "ROWS": "constexpr", "FEATURES": "constexpr", "PUT_PATH": "constexpr"},
         [{"HAS_WEIGHTS": w, "ROW_ALIGN": 16, "OUT_ALIGN": 16, "COUNT_B": 32, "BLOCK_B": lookup_put.BLOCK_B,
-          "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS, "FEATURES": n} for w, n in ((True, 1), (False, 32))],
+          "BLOCK_D": lookup_put.BLOCK_D, "ROWS": lookup_put.ROWS, "FEATURES": n, "PUT_PATH": p}
+         for w, n in ((True, 1), (False, 32)) for p in (False, True)],
     )
 
 
@@ -181,30 +186,100 @@ def _ptx(name, constexprs, num_warps, attrs=None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+def _variant(name, **chosen):
+    """The one constexpr set of ``CASES[name]`` with the ``chosen`` values."""
+    (found,) = [c for c in CASES[name][2] if all(c[k] == v for k, v in chosen.items())]
+    return found
+
+
 def test_pooled_rows_move_four_elements_at_once():
     """``lookup_put`` reads table rows and stores pooled rows 4 fp32 at a time (16-byte
     accesses, as FBGEMM's forward does; moving one at a time, it took 0.29 ms at R1 where
     FBGEMM's forward took 0.18 ms). ``rows_put``, ``grads_put`` and ``output_take`` do too
     once Triton has specialized their sizes as multiples of 16."""
-    unweighted = CASES["lookup_put_fp32_to_fp32"][2][1]
+    unweighted = _variant("lookup_put_fp32_to_fp32", HAS_WEIGHTS=False, PUT_PATH=False)
     ptx = _ptx("lookup_put_fp32_to_fp32", unweighted, lookup_put.NUM_WARPS)
     assert ptx.count("ld.global.v4.b32") >= lookup_put.ROWS and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx, "every table load is a vector load"
     sixteen = [["tt.divisibility", 16]]
     names = list(CASES["rows_put"][1])
     attrs = {(names.index(a),): sixteen for a in ("src_ptr", "dim", "pitch", "col")}
-    ptx = _ptx("rows_put", CASES["rows_put"][2][0], rows_put.NUM_WARPS, attrs)
+    ptx = _ptx("rows_put", _variant("rows_put", PUT_PATH=False), rows_put.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
     # ``grads_put`` on the way back, its columns and dims read from its table.
     names = list(CASES["grads_put"][1])
     attrs = {(names.index(a),): sixteen for a in ("grad_ptr", "pitch")}
-    ptx = _ptx("grads_put", CASES["grads_put"][2][0], grads_put.NUM_WARPS, attrs)
+    ptx = _ptx("grads_put", _variant("grads_put", PUT_PATH=False), grads_put.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
     # ``output_take``, which copies (sums) the requester's output out of its slot.
     names = list(CASES["output_take"][1])
     attrs = {(names.index(a),): sixteen for a in ("slot_ptr", "out_ptr", "pitch")}
-    ptx = _ptx("output_take", CASES["output_take"][2][1], output_take.NUM_WARPS, attrs)
+    ptx = _ptx("output_take", _variant("output_take", BLOCKS=2, PUT_PATH=False), output_take.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert ptx.count("ld.global.b32") == 1 and "st.global.b32" not in ptx, "one scalar load: an owner's rank"
+
+
+#: The kernels that store through peer mappings, each with a ``PUT_PATH`` variant for
+#: peers without one, and what that variant must call: row puts, completed (quiet) before
+#: the count, the count or release as a block's put-with-signal. NVSHMEM's API functions
+#: are inlined; these are the transfer functions they call (C++ names, mangled).
+_PUT, _QUIET, _SIGNAL = "nvshmemi_transfer_rma_nbi", "nvshmemi_transfer_quiet", "nvshmemi_transfer_put_signal"
+PUT_PATH_CALLS = {
+    "rows_put": ({}, (_PUT, _QUIET, _SIGNAL)),
+    "grads_put": ({}, (_PUT, _QUIET, _SIGNAL)),
+    "lookup_put_bf16_to_bf16": ({"HAS_WEIGHTS": True}, (_PUT, _QUIET, _SIGNAL)),
+    "output_take": ({"BLOCKS": 2}, (_SIGNAL,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUT_PATH_CALLS))
+def test_put_path_is_compiled_in_only_when_asked(name, tmp_path):
+    """Without ``PUT_PATH`` a kernel is its peer-mapping code alone: no NVSHMEM in it (the
+    PTX was also compared with the kernels' before the put path existed: identical but
+    for line numbers); with it, the kernel puts, completes and signals, and only that
+    variant is the one ``needs_module_init`` sends to ``nvshmem.core.module_init``."""
+    fn = CASES[name][0]
+    chosen, calls = PUT_PATH_CALLS[name]
+    off = _ptx(name, _variant(name, **chosen, PUT_PATH=False), 4)
+    on = _ptx(name, _variant(name, **chosen, PUT_PATH=True), 4)
+    assert "nvshmem" not in off
+    for call in calls:
+        assert re.search(rf"call\.uni\s+\w*{call}\w*,", on), call
+    kernel = fn.fn.__name__
+    assert kernel in nvshmem_device.KERNELS_WITH_PUT_PATH
+    for ptx, needed in ((off, False), (on, True)):
+        (tmp_path / f"{kernel}.ptx").write_text(ptx)
+        group = {f"{kernel}.ptx": str(tmp_path / f"{kernel}.ptx"), f"{kernel}.json": str(tmp_path / "unused.json")}
+        assert nvshmem_device.needs_module_init(kernel, group) is needed
+    assert nvshmem_device.needs_module_init("put_signal_kernel", {}) is True
+    assert nvshmem_device.needs_module_init("bag_offsets_kernel", {}) is False
+
+
+@pytest.mark.parametrize("launch", ["rows_put", "lookup_put", "grads_put", "output_take"])
+def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
+    """The put path reads its tables by position: a table of another shape (such as the
+    peer-mapping row alone) is refused before any launch, naming the argument."""
+    import torch
+
+    from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
+
+    i64 = torch.zeros(4, dtype=torch.int64)
+    f32 = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match=r"(out_addrs|dests|ids_free|out_free): the put path takes a contiguous int64"):
+        if launch == "rows_put":
+            rows_put.rows_put(f32, i64, i64, i64, i64, i64, 2, 4, 0, 0, 1, put_path=True)
+        elif launch == "lookup_put":
+            layout = IdsSlotLayout.__new__(IdsSlotLayout)
+            lookup_put.lookup_put(
+                i64, i64, torch.zeros(1, 4, dtype=torch.int64), f32, f32, i64, i64, i64, i64, i64,
+                layout, 4, False, 0, 1, put_path=True,
+            )
+        elif launch == "grads_put":
+            grads_put.grads_put(f32, torch.zeros(2, 5, dtype=torch.int64), i64, i64, 8, 0, 1.0, 0, 1, put_path=True)
+        else:
+            output_take.output_take(
+                torch.zeros(1, 8, 4), f32, i64, i64.to(torch.int32), i64, i64, i64, i64, i64, 0, 1, 1, 0, 1,
+                put_path=True,
+            )
