@@ -159,12 +159,10 @@ def test_ranks_with_different_first_batches_take_torchrec_way(extra):
 def test_gpu_exchange_routes_orders_of_few_runs_per_owner():
     """An owner's features scattered over more than ``MAX_RUNS`` runs of the batch would
     unroll too many puts: such an order goes TorchRec's way."""
-    from types import SimpleNamespace
-
-    from torchrec_pgas.sharding.tw_device_exchange import MAX_RUNS, DeviceTwExchange
+    from torchrec_pgas.sharding.device_routing import MAX_RUNS, TableWiseIds
 
     def routable(counts, pos):
-        return DeviceTwExchange._routable(SimpleNamespace(_counts=counts), pos)
+        return TableWiseIds(counts).routable(pos)
 
     every_other = lambda n: list(range(0, 2 * n, 2))  # noqa: E731  (n runs of one feature)
     assert routable([MAX_RUNS], every_other(MAX_RUNS))

@@ -1,6 +1,6 @@
 """The sharder and sharded module that put the PGAS sharding types into TorchRec."""
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,80 +30,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
-from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.kernels.ids_slot import Status
-from torchrec_pgas.sharding.tw_base import PgasInputError, dtype_problem, shape_problem, with_float32_weights
+from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.batch_checks import batch_problem, empty_batch, input_problem, left_to_the_exchange
+from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
+from torchrec_pgas.sharding.tw_base import PgasInputError, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
-
-
-def _batch_problem(features: KeyedJaggedTensor, keys: Optional[List[str]], features_needed: List[str]) -> Optional[str]:
-    """What TorchRec's input dist would crash on, raise on one rank only, or serve
-    wrongly in ``features``, said as "its ...", or None. ``keys``: the features of
-    the module's first batch, whose order TorchRec's permute keeps for good (None
-    before it); ``features_needed``: the module's. Reads the lengths (their minimum
-    and sum), as TorchRec's permute does."""
-    got = list(features.keys())
-    if len(set(got)) != len(got):
-        return f"features {got} name a feature twice"
-    if keys is not None and got != keys:
-        return f"features {got} are not those of the first batch, in its order: {keys}"
-    missing = [f for f in features_needed if f not in got]
-    if missing:
-        return f"features {got} lack the model's {missing}"
-    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
-    for name, tensor in (("values", values), ("lengths", lengths), ("weights", weights)):
-        if tensor is not None and tensor.dim() != 1:
-            return f"{name} are {tensor.dim()}-D, not 1-D"
-    if values.dtype not in (torch.int32, torch.int64):
-        return f"ids are {values.dtype}, not integers"
-    if lengths.dtype not in (torch.int32, torch.int64):
-        return f"lengths are {lengths.dtype}, not integers"
-    if weights is not None and not weights.is_floating_point():
-        return f"weights are {weights.dtype}, not floating point"
-    if weights is not None and weights.numel() != values.numel():
-        return f"{weights.numel()} weights are not one per value ({values.numel()} values)"
-    if features.variable_stride_per_key():
-        return None  # the PGAS exchanges refuse it, on every rank
-    if lengths.numel() != len(got) * features.stride():
-        return f"{lengths.numel()} lengths are not one per feature and sample ({len(got)} x {features.stride()})"
-    if lengths.numel() and int(lengths.min()) < 0:
-        first = int(torch.nonzero(lengths < 0)[0, 0])
-        return f"lengths are negative (feature '{got[first // features.stride()]}': {int(lengths[first])})"
-    if int(lengths.sum()) != values.numel():
-        return f"lengths add up to {int(lengths.sum())}, not to the {values.numel()} values"
-    return None
-
-
-def _input_problem(features: KeyedJaggedTensor) -> Optional[Tuple[Status, Tuple[int, ...]]]:
-    """The problems of ``features`` that a slot header names itself (see
-    ``_left_to_the_exchange``), as the header reports them."""
-    bad_dtype = dtype_problem(features.values(), features.weights_or_none())
-    if bad_dtype is not None:
-        return Status.BAD_DTYPE, (bad_dtype,)
-    shape = shape_problem(features)
-    if shape is not None:
-        return Status.BAD_LENGTHS, shape
-    if not features.variable_stride_per_key() and sum(features.length_per_key()) != features.values().numel():
-        return Status.BAD_LENGTHS, (-1,)
-    return None
-
-
-def _left_to_the_exchange(features: KeyedJaggedTensor) -> bool:
-    """Whether ``features`` has a problem the exchange reports itself, with its own
-    message: ids or weights of a wrong dtype, sizes that disagree, lengths that do
-    not add up to the values."""
-    return _input_problem(features) is not None
-
-
-def _empty_batch(keys: List[str], device: torch.device) -> KeyedJaggedTensor:
-    """A batch of no samples with the features ``keys`` on ``device``: what a PGAS
-    sharding is given in place of a batch it reports a problem for."""
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.empty(0, dtype=torch.int64, device=device),
-        lengths=torch.empty(0, dtype=torch.int64, device=device),
-        stride=0,
-    )
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -123,6 +55,25 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._pgas_direct: Optional[bool] = None
         # The features of the first batch TorchRec's input dist took, in its order.
         self._batch_keys: Optional[List[str]] = None
+
+    @property
+    def post_lookup_tracker_fn(self) -> Optional[Callable[..., None]]:
+        """TorchRec's post-lookup tracker hook, given the lookup's KJT and pooled rows
+        as under TorchRec's sharding types (a PGAS lookup's input and output carry the
+        step's route beside them)."""
+        return self.__dict__.get("_pgas_post_lookup_tracker")
+
+    @post_lookup_tracker_fn.setter
+    def post_lookup_tracker_fn(self, fn: Optional[Callable[..., None]]) -> None:
+        def unwrapped(features: Any, embs: Any, *args: Any) -> None:
+            assert fn is not None
+            fn(
+                features.kjt if isinstance(features, HostBatch) else features,
+                embs.embs if isinstance(embs, PooledLookup) else embs,
+                *args,
+            )
+
+        self.__dict__["_pgas_post_lookup_tracker"] = None if fn is None else unwrapped
 
     def _refuse_mean_across_row_wise_kinds(self) -> None:
         """TorchRec divides its whole output by one mean divisor when a table of its
@@ -144,8 +95,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def forward(self, *input: Any, **kwargs: Any) -> LazyAwaitable[KeyedTensor]:
         """TorchRec's forward. A module whose batches go straight to its one PGAS
         sharding takes the same steps (send, receive, lookup, output) without TorchRec's
-        context and chain of awaitables: at R1 on GPUs their host time was a sixth of
-        the step, which is the host's time."""
+        context and chain of awaitables: their host time is a large share of a step
+        whose time is the host's."""
         if len(input) == 1 and not kwargs and self._steps_directly(input[0]):
             lookup = self._lookups[0]
             embs = lookup(self._input_dists[0].send_and_receive(input[0]))
@@ -194,7 +145,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
         if not pgas or not isinstance(features, KeyedJaggedTensor):
             return super().input_dist(ctx, features)
-        problem = self._first_batch_problem(features) or _batch_problem(
+        problem = self._first_batch_problem(features) or batch_problem(
             features, self._batch_keys, [f for s in self._embedding_shardings for f in s.feature_names()]
         )
         if len(pgas) < len(self._embedding_shardings):
@@ -202,11 +153,11 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         elif problem is not None:
             # The PGAS shardings send the problem for this step, in place of the batch:
             # as its header status where one names it, else as a message.
-            report = _input_problem(features)
+            report = input_problem(features)
             for sharding in pgas:
                 sharding.report_input_problem(*(report or (Status.FAILED, (f"its {problem}",))))
             try:
-                return super().input_dist(ctx, _empty_batch(self._batch_keys or self._sharding_feature_names(), features.device()))
+                return super().input_dist(ctx, empty_batch(self._batch_keys or self._sharding_feature_names(), features.device()))
             finally:
                 # Each send took its report; one that failed before sending must not pass
                 # the report on to the next batch.
@@ -283,7 +234,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # one: here every rank learns of it (a problem the exchange reports itself, such
         # as lengths that disagree with the values, is left to the exchange).
         invalid = None
-        if eligible and self._has_uninitialized_input_dist and not _left_to_the_exchange(features):
+        if eligible and self._has_uninitialized_input_dist and not left_to_the_exchange(features):
             try:
                 validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
             except ValueError as e:

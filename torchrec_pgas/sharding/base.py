@@ -7,7 +7,7 @@ use in ``_make_exchange``.
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -24,11 +24,13 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.sharding.exchange import Exchange, LookupInput, PooledLookup
 from torchrec_pgas.sharding.dists import (
     PgasGroupedPooledEmbeddingsLookup,
     PgasPooledEmbeddingDist,
     PgasSparseFeaturesDist,
 )
+from torchrec_pgas.kernels.ids_slot import Status
 from torchrec_pgas.types import PgasOptions
 
 
@@ -78,13 +80,13 @@ class PgasShardingMixin:
         super().__init__(sharding_infos, env, device)  # type: ignore[call-arg]
         self._options = options or PgasOptions()
         self._out_dtype = output_dtype(sharding_infos)
-        self._exchange: Any = None
+        self._exchange: Optional[Exchange] = None
         self._setup_error: Optional[BaseException] = None
 
-    def _make_exchange(self, device: torch.device) -> Any:
+    def _make_exchange(self, device: torch.device) -> Exchange:
         raise NotImplementedError
 
-    def _get_exchange(self, device: Optional[torch.device]) -> Any:
+    def _get_exchange(self, device: Optional[torch.device]) -> Exchange:
         # Created on first use, collectively: every rank builds its dists in the
         # same order. A set-up that failed is not retried (its peers would not take
         # part again): every later call raises its error.
@@ -119,18 +121,18 @@ class PgasShardingMixin:
         """See ``BaseTwExchange.adopt_input_order``."""
         return self._get_exchange(None).adopt_input_order(keys)
 
-    def report_input_problem(self, status: Any, detail: Any) -> None:
+    def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
         """See ``BaseTwExchange.report_input_problem``."""
         self._get_exchange(None).report_input_problem(status, detail)
 
     def create_input_dist(
         self, device: Optional[torch.device] = None
-    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+    ) -> BaseSparseFeaturesDist[LookupInput]:
         return PgasSparseFeaturesDist(self._get_exchange(device))
 
     def create_output_dist(
         self, device: Optional[torch.device] = None
-    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]:
         return PgasPooledEmbeddingDist(self._get_exchange(device), self.pgas_name)
 
     def create_lookup(
@@ -147,8 +149,10 @@ class PgasShardingMixin:
             # check would be redundant, and would stretch the last bag over the rest.
             for config in self._grouped_embedding_configs:  # type: ignore[attr-defined]
                 config.fused_params = {**(config.fused_params or {}), "bounds_check_mode": BoundsCheckMode.NONE}
+        # The lookup's exchange is made here, collectively (TorchRec creates every
+        # sharding's lookup in the same order on every rank, before its dists).
         return PgasGroupedPooledEmbeddingsLookup(
-            name=self.pgas_name,
+            exchange=self._get_exchange(device),
             grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
             pg=self._pg,  # type: ignore[attr-defined]
             device=device,

@@ -12,9 +12,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.bag_offsets import scan_state
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE
-from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.device_routing import IdsRouting
-from torchrec_pgas.sharding.tw_base import TwFeature, route_of
+from torchrec_pgas.sharding.tw_base import TwFeature
 
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -30,6 +30,7 @@ class DeviceRoute:
     # The rows were put by ``lookup_put``, pooled straight from the ids slots of this
     # step, which go back to their sources with the output's slot (0: not so).
     ids_step: int = 0
+    step: int = 0  # the ids step the route is of
     divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
 
 
@@ -42,30 +43,22 @@ class SlotsLookup:
     offsets: torch.Tensor  # int64: the bags' offsets in the slots (``bag_offsets``)
     step: int  # the ids step
     stream: int  # the stream the batch was laid out on (a raw handle)
-    route: DeviceRoute
 
 
 @dataclass
 class LookupBatch:
-    """The owner's lookup input of one step: per lookup group, the bag offsets and ids
-    (and weights) of ``bags_per_feature`` bags per feature. ``record`` is the step's
-    (see ``DeviceRoute``).
+    """The owner's lookup input of one step (a ``LookupInput``): per lookup group, the
+    bag offsets and ids (and weights) of ``bags_per_feature`` bags per feature, and
+    the step's route.
 
     Without autograd the groups are left empty at first, and ``from_slots`` says what
-    ``exchange.lookup_put`` reads (once): it then pools the bags straight from the
-    slots and puts the rows, or fills the groups for TorchRec's lookup."""
+    the exchange's ``lookup_put`` reads (once): it then pools the bags straight from
+    the slots and puts the rows, or fills the groups for TorchRec's lookup."""
 
     groups: List[KeyedJaggedTensor]
-    record: torch.Tensor
+    route: DeviceRoute
     bags_per_feature: int
-    exchange: Any = None  # the ``DeviceTwExchange`` that received the batch
     from_slots: Optional[SlotsLookup] = None
-
-    def lookup_put(self, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
-        """``exchange.lookup_put(self, emb_modules)``: the pooled rows' stand-in, or
-        None once ``groups`` are filled for TorchRec's lookup."""
-        exchange, self.exchange = self.exchange, None
-        return exchange.lookup_put(self, emb_modules) if exchange is not None else None
 
     # TorchRec inspects the input dist's output as a KJT in a few places.
     def variable_stride_per_key(self) -> bool:
@@ -77,10 +70,9 @@ class LookupBatch:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for kjt in self.groups:
             kjt.record_stream(stream)
-        self.record.record_stream(stream)
-        divisor = getattr(route_of(self, "lookup batch"), "divisor", None)
-        if divisor is not None:  # row-wise mean: divides the output on that stream
-            divisor.record_stream(stream)
+        self.route.record.record_stream(stream)
+        if self.route.divisor is not None:  # row-wise mean: divides the output on that stream
+            self.route.divisor.record_stream(stream)
 
 
 class SendInput(NamedTuple):
@@ -130,6 +122,27 @@ def send_input(
     else:
         offsets, lengths = routing.unrouted(offsets, lengths)
     return SendInput(batch, problem, values, offsets, lengths, weights, checked, narrowed)
+
+
+def put_text(chunks: torch.Tensor, text: torch.Tensor) -> None:
+    """Makes the first chunk of every owner's put in ``chunks`` (``ids_header``'s: the
+    lengths of a batch, which a ``Status.FAILED`` send has none of) carry ``text``
+    (uint8, on the device, alive until the puts are done) right after the header,
+    where ``failure_texts`` reads it. Only a failing send comes here."""
+    chunks[:, 0, 1] = text.data_ptr()
+    chunks[:, 0, 2] = text.numel()
+
+
+def failure_texts(headers: Sequence[Header], slots: torch.Tensor, layout: IdsSlotLayout) -> List[str]:
+    """The messages of the ``Status.FAILED`` slots among a step's ``slots`` (every
+    source's, as received, with its ``headers``). The slots were given back at the
+    receive, and a source may have sent into them since: a slot whose header is no
+    longer the step's gives no message."""
+    texts = []
+    for h, slot in zip(headers, slots.view(len(headers), -1)):
+        failed = h.status == Status.FAILED and layout.header(slot) == h
+        texts.append(layout.text(slot, h.detail[0]) if failed else "")
+    return texts
 
 
 class SendScratch(NamedTuple):

@@ -11,10 +11,16 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.kernels.ids_header import runs_of
 from torchrec_pgas.kernels.row_buckets import row_buckets
 from torchrec_pgas.transport.device_buffers import DeviceBuffers
 
 Routed = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+#: The most runs of consecutive features an owner's part of a batch may take: each run
+#: is three of ``put_signal``'s unrolled puts. A batch order that scatters an owner's
+#: features more goes TorchRec's way (permuted into the sharding's order).
+MAX_RUNS = 8
 
 
 def per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
@@ -39,6 +45,10 @@ class IdsRouting(Protocol):
         batch (``input_pos``: where each of the sharding's input features is in the
         batches given, see ``adopt_input_order``)."""
 
+    def routable(self, input_pos: Sequence[int]) -> bool:
+        """Whether batches whose sharding features are at ``input_pos`` can be routed
+        (``adopt_input_order``)."""
+
 
 class TableWiseIds:
     """Table-wise routing: each owner's features are contiguous in the batch already
@@ -61,6 +71,10 @@ class TableWiseIds:
         """Where owner ``owner``'s features, in the order its lookup takes them, are in
         the routed batch."""
         return per_owner(self._counts, input_pos)[owner]
+
+    def routable(self, input_pos: Sequence[int]) -> bool:
+        """Any order whose parts per owner take at most ``MAX_RUNS`` runs."""
+        return all(len(runs_of(part)) <= MAX_RUNS for part in per_owner(self._counts, input_pos))
 
 
 class RowBlockIds:
@@ -91,6 +105,11 @@ class RowBlockIds:
 
     def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
         return list(range(owner * self._features, (owner + 1) * self._features))
+
+    def routable(self, input_pos: Sequence[int]) -> bool:
+        """Only the sharding's own order: the row blocks and the mean divisor are built
+        per feature in that order."""
+        return list(input_pos) == list(range(len(input_pos)))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The input and output dists and the lookup of the PGAS sharding types.
 
 They are the same for every PGAS sharding type: what differs (which owner gets which
-ids, how pooled rows come back) is the exchange they are given (``tw_exchange``,
-``rw_exchange``, ``tw_device_exchange``), which implements ``send_ids``, ``recv_ids``,
-``exchange_pooled`` and ``exchange_grads``.
+ids, how pooled rows come back) is the ``Exchange`` they are given (``exchange.py``).
+A step goes send -> receive (a ``LookupInput`` with the step's route) -> lookup (a
+``PooledLookup``: rows and route) -> output (the route goes back to the exchange) ->
+gradients (the route is kept by autograd).
 """
 
 from typing import Any, Optional, TypeVar
@@ -22,7 +23,7 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import attach_route, route_of
+from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup
 from torchrec_pgas.transport import PgasError
 
 T = TypeVar("T")
@@ -39,19 +40,19 @@ class _Done(Awaitable[T]):
         return self._value
 
 
-class _ReceiveIds(Awaitable[KeyedJaggedTensor]):
-    """Waits for every source's ids of the step and forms the lookup's KJT."""
+class _ReceiveIds(Awaitable[LookupInput]):
+    """Waits for every source's ids of the step and forms the lookup's input."""
 
-    def __init__(self, exchange: Any, step: int) -> None:
+    def __init__(self, exchange: Exchange, step: int) -> None:
         super().__init__()
         self._exchange = exchange
         self._step = step
 
-    def _wait_impl(self) -> KeyedJaggedTensor:
+    def _wait_impl(self) -> LookupInput:
         return self._exchange.recv_ids(self._step)
 
 
-def send_ids(exchange: Any, kjt: KeyedJaggedTensor) -> int:
+def send_ids(exchange: Exchange, kjt: KeyedJaggedTensor) -> int:
     """``exchange.send_ids(kjt)``; if preparing the send raises on this rank (any
     error the exchange's own checks did not foresee), the step is sent anyway, as a
     report of that error: every rank then raises it for this step, and the next batch
@@ -69,20 +70,18 @@ def send_ids(exchange: Any, kjt: KeyedJaggedTensor) -> int:
         return exchange.send_ids(kjt)
 
 
-class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+class PgasSparseFeaturesDist(BaseSparseFeaturesDist[LookupInput]):
     """Puts each owner's features into its per-source slot; no splits exchange."""
 
-    def __init__(self, exchange: Any) -> None:
+    def __init__(self, exchange: Exchange) -> None:
         super().__init__()
         self._exchange = exchange
 
-    def forward(
-        self, sparse_features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[LookupInput]]:
         step = send_ids(self._exchange, sparse_features)
         return _Done(_ReceiveIds(self._exchange, step))
 
-    def send_and_receive(self, sparse_features: KeyedJaggedTensor) -> Any:
+    def send_and_receive(self, sparse_features: KeyedJaggedTensor) -> LookupInput:
         """``forward`` and both waits in one call: this rank's lookup input."""
         with torch.no_grad():  # as TorchRec's input dists run
             step = send_ids(self._exchange, sparse_features)
@@ -98,7 +97,7 @@ class _ExchangePooled(torch.autograd.Function):
         ctx: Any,
         local_embs: torch.Tensor,
         anchor: torch.Tensor,
-        exchange: Any,
+        exchange: Exchange,
         route: Any,
     ) -> torch.Tensor:
         ctx.exchange, ctx.route, ctx.shape = exchange, route, local_embs.shape
@@ -113,63 +112,65 @@ class _ExchangePooled(torch.autograd.Function):
 
 
 class PgasPooledEmbeddingDist(
-    BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]
+    BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]
 ):
     """Puts pooled rows (or partial sums) to the requesters; returns this rank's
     pooled embeddings, ``[batch, sum of dims]``."""
 
-    def __init__(self, exchange: Any, name: str) -> None:
+    def __init__(self, exchange: Exchange, name: str) -> None:
         super().__init__()
         self._exchange = exchange
         self._name = name
 
     def forward(
         self,
-        local_embs: torch.Tensor,
+        local_embs: PooledLookup,
         sharding_ctx: Optional[EmbeddingShardingContext] = None,
     ) -> Awaitable[torch.Tensor]:
         return _Done(self.pooled(local_embs))
 
-    def pooled(self, local_embs: torch.Tensor) -> torch.Tensor:
+    def pooled(self, lookup: PooledLookup) -> torch.Tensor:
         """``forward``'s output without the awaitable."""
-        route = route_of(local_embs, self._name)
+        if not isinstance(lookup, PooledLookup):
+            raise PgasError(
+                f"{self._name}: the output dist was given a {type(lookup).__name__}, not the "
+                f"PGAS lookup's output (PooledLookup)"
+            )
+        embs, route = lookup
         if not torch.is_grad_enabled():
-            out = self._exchange.exchange_pooled(local_embs, route)
+            out = self._exchange.exchange_pooled(embs, route)
         else:
             # Every rank must run the backward exchange, also a rank whose own lookup
             # has nothing to differentiate (it owns no table): the anchor makes the
             # output require grad everywhere.
             anchor = torch.empty(0, requires_grad=True)
-            out = _ExchangePooled.apply(local_embs, anchor, self._exchange, route)
-        divisor = getattr(route, "divisor", None)
+            out = _ExchangePooled.apply(embs, anchor, self._exchange, route)
         # Mean pooling of partial sums (row-wise) is only known once they are summed.
-        return out / divisor if divisor is not None else out
+        return out / route.divisor if route.divisor is not None else out
 
 
 class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
-    """TorchRec's lookup (same modules, parameters and state), which also takes the
-    GPU exchange's fixed-shape ``LookupBatch`` (already-split groups, or the pooling
-    done by the exchange's ``lookup_put``) and passes the batch's route on to the
-    output dist."""
+    """TorchRec's lookup (same modules, parameters and state) of a step's
+    ``LookupInput``: the host exchanges' KJT, or the GPU exchanges' fixed-shape
+    ``LookupBatch`` (already-split groups, or the pooling done by the exchange's
+    ``lookup_put``). Returns the pooled rows with the step's route."""
 
-    def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, exchange: Exchange, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pgas_name = name
+        self._exchange = exchange
 
     def reshards(self) -> bool:
         """Whether a module has resharding awaitables (fully sharded 2D) for the
         forward to wait on."""
         return any(hasattr(m, "get_rs_awaitable") for m in self._emb_modules)
 
-    def forward(self, sparse_features: Any) -> torch.Tensor:
-        if getattr(sparse_features, "groups", None) is None:
-            out = super().forward(sparse_features)
-        else:
-            # The GPU exchange may pool and put the rows itself (inference); the
-            # output is then an empty stand-in that carries the route.
-            out = sparse_features.lookup_put(self._emb_modules)
-            if out is None:
-                out = embeddings_cat_empty_rank_handle(
-                    self._forward(sparse_features.groups), self._dummy_embs_tensor, dim=1
-                )
-        return attach_route(out, route_of(sparse_features, self._pgas_name))
+    def forward(self, sparse_features: LookupInput) -> PooledLookup:  # type: ignore[override]
+        batch: Any = sparse_features
+        if isinstance(batch, HostBatch):
+            return PooledLookup(super().forward(batch.kjt), batch.route)
+        # The GPU exchange may pool and put the rows itself (inference); the output is
+        # then an empty stand-in.
+        out = self._exchange.lookup_put(batch, self._emb_modules)
+        if out is None:
+            out = embeddings_cat_empty_rank_handle(self._forward(batch.groups), self._dummy_embs_tensor, dim=1)
+        return PooledLookup(out, batch.route)

@@ -20,20 +20,20 @@ from typing import Any, Sequence
 
 import torch
 
-from torchrec_pgas.sharding.device_batch import LookupBatch
 from torchrec_pgas.sharding.device_routing import OutputBlocks, RowBlockIds
-from torchrec_pgas.sharding.rw_exchange import MeanAfterSum
-from torchrec_pgas.sharding.tw_base import TwFeature, route_of
+from torchrec_pgas.sharding.mean_after_sum import MeanAfterSum
+from torchrec_pgas.sharding.tw_base import TwFeature
 from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
 
-class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
+class DeviceRwExchange(DeviceTwExchange):
     """GPU counterpart of ``RwExchange`` (arguments: its own, plus the lookup's
     ``group_sizes``, ``weighted``, ``lookup_reads_only_bags`` and ``fused_lookup`` as
     for ``DeviceTwExchange``): ``DeviceTwExchange`` with ids routed by row block
-    (``RowBlockIds``) and every owner storing full-width partial sums into its own
-    block of the output slot (``OutputBlocks``)."""
+    (``RowBlockIds``), every owner storing full-width partial sums into its own block
+    of the output slot (``OutputBlocks``), and mean pooling after their sum
+    (``MeanAfterSum``)."""
 
     def __init__(
         self,
@@ -44,7 +44,7 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
         mean: Sequence[bool],
         **kwargs: Any,
     ) -> None:
-        world = transport.world_size
+        world, width = transport.world_size, sum(dims)
         block_sizes = torch.tensor(
             [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64, device=transport.device
         )
@@ -54,18 +54,11 @@ class DeviceRwExchange(MeanAfterSum, DeviceTwExchange):
                 [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])]
                 for r in range(world)
             ],
-            dim_sum_per_rank=[sum(dims)] * world,
+            dim_sum_per_rank=[width] * world,
             input_features=features,
+            out_dim=width,  # every owner covers every column
+            mean=MeanAfterSum(dims, mean, transport.device),
             routing=RowBlockIds(block_sizes, world),
-            output=OutputBlocks(blocks=world, my_block=transport.rank, dim=sum(dims), col_offsets=(0,) * world),
+            output=OutputBlocks(blocks=world, my_block=transport.rank, dim=width, col_offsets=(0,) * world),
             **kwargs,
         )
-        # ``MeanAfterSum`` reads the output's width here; ``BaseTwExchange`` makes it
-        # the sum over ranks of ``dim_sum_per_rank``, which row-wise repeats per rank.
-        self._dim_total = sum(dims)
-        self._init_mean(dims, mean, self._dev)
-
-    def recv_ids(self, step: int) -> LookupBatch:
-        batch = super().recv_ids(step)
-        route_of(batch, self._name).divisor = self._divisors.popleft()
-        return batch

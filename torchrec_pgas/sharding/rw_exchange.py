@@ -10,80 +10,25 @@ uses (``ceil(rows / world)`` rows each). Forward, for a step:
 3. ``exchange_pooled``: the owner puts the partial sums of each source's samples into
    that source's slot *for this owner*; the requester adds the owners' partial sums
    in rank order, so the result does not depend on arrival order. Mean pooling is
-   applied after the sum, as TorchRec's ``row_wise`` applies it (``MeanAfterSum``).
+   applied after the sum, as TorchRec's ``row_wise`` applies it (``mean_after_sum``).
 
 Backward: every owner needs the whole output gradient of its samples (each owns part
 of every bag), so the requester puts it into every owner's per-source slot.
 """
 
-import collections
-from typing import Deque, List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import TwFeature, shape_problem, with_float32_weights
+from torchrec_pgas.sharding.mean_after_sum import MeanAfterSum
+from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import Route, TwExchange
 from torchrec_pgas.transport import Transport
 
 
-class MeanAfterSum:
-    """Mean pooling for row-wise exchanges, as TorchRec's ``row_wise`` applies it:
-    owners pool sums, and the requester divides its summed rows by a divisor built as
-    TorchRec's ``_create_mean_pooling_divisor`` builds it, so results agree to the
-    bit: per bag, the number of ids (the sum of their weights, for weighted features)
-    under mean-pooled features and 1 under sum-pooled ones, plus 1e-6; batches then
-    stay in the sharding's order (``_routable``). Put first in the bases of an exchange,
-    and call ``_init_mean`` after the exchange's constructor."""
-
-    def _init_mean(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device) -> None:
-        self._any_mean = any(mean)
-        self._sum_features = [i for i, m in enumerate(mean) if not m]
-        self._feature_dims = torch.tensor(dims, dtype=torch.int64, device=device)
-        self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
-
-    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        # A send that reports a failure must not trip over the batch again.
-        divisor = None if self._failure is not None else self._divisor(kjt)  # type: ignore[attr-defined]
-        step = super().send_ids(kjt)  # type: ignore[misc]
-        # After the send: a send that raises leaves no divisor without a step.
-        self._divisors.append(divisor)
-        return step
-
-    def _divisor(self, kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
-        """``[batch, sum of dims]``, or None without mean-pooled features."""
-        if not self._any_mean or kjt.variable_stride_per_key() or self._key_problem(kjt.keys()):  # type: ignore[attr-defined]
-            return None
-        if shape_problem(kjt) is not None:  # the send reports it
-            return None
-        batch = kjt.stride()
-        if batch == 0:
-            return None
-        weights = kjt.weights_or_none()
-        if weights is not None and weights.is_floating_point():
-            lengths = torch.ops.fbgemm.segment_sum_csr(1, kjt.offsets().int(), weights.to(torch.float32))
-        else:
-            lengths = kjt.lengths().clone()
-        for feature in self._sum_features:
-            lengths[feature * batch : (feature + 1) * batch] = 1
-        per_feature = lengths.reshape(-1, batch).T
-        divisor = torch.repeat_interleave(
-            per_feature, repeats=self._feature_dims, dim=1, output_size=self._dim_total  # type: ignore[attr-defined]
-        )
-        return divisor + 1e-6
-
-    def _drop_next(self) -> None:
-        super()._drop_next()  # type: ignore[misc]
-        self._divisors.popleft()
-
-    def _routable(self, pos: List[int]) -> bool:
-        """Only the sharding's own order (``adopt_input_order``): the row blocks and
-        the mean divisor are built per feature in that order."""
-        return pos == list(range(len(pos)))
-
-
-class RwExchange(MeanAfterSum, TwExchange):
+class RwExchange(TwExchange):
     """Moves one row-wise sharding's ids, partial sums and gradients.
 
     Args:
@@ -120,13 +65,17 @@ class RwExchange(MeanAfterSum, TwExchange):
             headroom=headroom,
             name=name,
             input_features=features,
+            out_dim=sum(dims),  # every owner covers every column
+            mean=MeanAfterSum(dims, mean, torch.device("cpu")),
         )
-        # Every owner covers every column: a row is as wide as one rank's dims, not all.
-        self._dim_total = sum(dims)
         self._block_sizes = torch.tensor(
             [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64
         )
-        self._init_mean(dims, mean, torch.device("cpu"))
+
+    def _routable(self, pos: List[int]) -> bool:
+        """Only the sharding's own order (``adopt_input_order``): the row blocks and
+        the mean divisor are built per feature in that order."""
+        return pos == list(range(len(pos)))
 
     def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Bucketed by row block: owner ``r`` gets keys ``r * F ... (r + 1) * F - 1``
@@ -135,17 +84,6 @@ class RwExchange(MeanAfterSum, TwExchange):
             with_float32_weights(kjt), num_buckets=self._t.world_size, block_sizes=self._block_sizes
         )
         return bucketized
-
-    def recv_ids(self, step: int) -> KeyedJaggedTensor:
-        self._catch_up(step)
-        try:
-            return super().recv_ids(step)
-        finally:
-            # This step's divisor is consumed whether or not the step could be served.
-            self._divisors.popleft()
-
-    def _route(self, batch_sizes: List[int]) -> Route:
-        return Route(batch_sizes, divisor=self._divisors[0])
 
     def exchange_pooled(self, local_embs: torch.Tensor, route: Route) -> torch.Tensor:
         """Puts each requester's partial sums into its slot for this owner; returns

@@ -1,13 +1,17 @@
 """What every table-wise exchange knows from the plan, whatever moves its data."""
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from torchrec_pgas.kernels.ids_slot import BadDtype, Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import PgasError, Transport
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
+
+if TYPE_CHECKING:
+    from torchrec_pgas.sharding.exchange import LookupInput
+    from torchrec_pgas.sharding.mean_after_sum import MeanAfterSum
 
 
 class PgasInputError(PgasError, ValueError):
@@ -35,6 +39,15 @@ class BaseTwExchange:
         name: prefix of error messages.
         input_features: the features of the batches the input dist is given, with the
             rows their ids index (default: ``features_per_rank`` flattened).
+        out_dim: the columns of a rank's pooled output (default: the sum of
+            ``dim_sum_per_rank``, each owner's tables side by side; row-wise: every
+            owner covers every column).
+        mean: the mean pooling applied after the owners' partial sums are added
+            (row-wise), if any.
+
+    Subclasses implement a step as ``_send``, ``_recv`` and ``_drop_step``; the
+    public ``send_ids``, ``recv_ids`` and ``_drop_next`` keep the bookkeeping that is
+    the same for every exchange.
     """
 
     def __init__(
@@ -46,6 +59,8 @@ class BaseTwExchange:
         headroom: float,
         name: str,
         input_features: Optional[Sequence[TwFeature]] = None,
+        out_dim: Optional[int] = None,
+        mean: Optional["MeanAfterSum"] = None,
     ) -> None:
         self._t = transport
         self._features_per_rank = [list(f) for f in features_per_rank]
@@ -57,7 +72,8 @@ class BaseTwExchange:
         self._reordered = False
         self._dims = list(dim_sum_per_rank)
         self._col_offsets = [sum(self._dims[:r]) for r in range(len(self._dims))]
-        self._dim_total = sum(self._dims)
+        self._dim_total = out_dim if out_dim is not None else sum(self._dims)
+        self._mean = mean
         self._out_dtype = out_dtype
         self._elem = torch.empty((), dtype=out_dtype).element_size()
         self._headroom = headroom
@@ -78,6 +94,37 @@ class BaseTwExchange:
     def sent_steps(self) -> int:
         """How many steps this rank has sent."""
         return self._send_step
+
+    def send_ids(self, kjt: Any) -> int:
+        """Puts this rank's ids for the next step into every owner's slot; returns the
+        step. Everything that may raise on this rank alone comes before the first put
+        (``PgasSparseFeaturesDist`` then sends the error instead)."""
+        mean = self._mean
+        # A send that reports a failure must not trip over the batch again.
+        reported = self._failure is not None or self._reported is not None
+        divisor = None if mean is None or reported or self._key_problem(kjt.keys()) else mean.divisor(kjt)
+        step = self._send(kjt)
+        if mean is not None:  # after the send: a send that raises leaves no divisor
+            mean.sent(divisor)
+        return step
+
+    def recv_ids(self, step: int) -> "LookupInput":
+        """Waits for every source's ids of ``step``; returns the owner's lookup input,
+        which carries the step's route."""
+        self._catch_up(step)
+        # This step's divisor is taken whether or not the step can be served.
+        divisor = self._mean.take() if self._mean is not None else None
+        return self._recv(step, divisor)
+
+    def _send(self, kjt: Any) -> int:
+        raise NotImplementedError
+
+    def _recv(self, step: int, divisor: Optional[torch.Tensor]) -> "LookupInput":
+        raise NotImplementedError
+
+    def lookup_put(self, batch: Any, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """None: TorchRec's lookup pools the batch (see ``Exchange.lookup_put``)."""
+        return None
 
     def _divided(self, grad: torch.Tensor, divide: bool) -> torch.Tensor:
         """``grad`` divided in place by the world size if ``divide`` (TorchRec's
@@ -121,14 +168,7 @@ class BaseTwExchange:
         return True
 
     def _key_problem(self, keys: Sequence[str]) -> Optional[Tuple[int, int, int]]:
-        """``Status.UNKNOWN_FEATURES``'s detail if ``keys`` are not the plan's features
-        in order, else None. Such a batch is still sent (as a bare header), so that
-        every rank raises rather than waits."""
-        expected = self._input_keys
-        if list(keys) == expected:
-            return None
-        first = next((i for i, (a, b) in enumerate(zip(keys, expected)) if a != b), min(len(keys), len(expected)))
-        return first, len(keys), len(expected)
+        return key_problem(keys, self._input_keys)
 
     def _raise_for_bad_headers(self, headers: Sequence[Header], step: int, texts: Sequence[str] = ()) -> None:
         """Raises, naming every source that sent a bad batch; the same on every rank,
@@ -174,6 +214,12 @@ class BaseTwExchange:
 
     def _drop_next(self) -> None:
         """Receives the next step and releases its slots without a lookup."""
+        self._recv_step += 1
+        self._drop_step(self._recv_step)
+        if self._mean is not None:
+            self._mean.take()
+
+    def _drop_step(self, step: int) -> None:
         raise NotImplementedError
 
     def _make_room(self) -> None:
@@ -227,19 +273,34 @@ class BaseTwExchange:
         if self._reported is not None:
             (status, detail), self._reported = self._reported, None
             return status, detail, 0
-        key_problem = self._key_problem(kjt.keys())
-        if key_problem is not None:
-            return Status.UNKNOWN_FEATURES, key_problem, 0
-        if kjt.variable_stride_per_key():
-            return Status.VARIABLE_BATCH, (), 0
-        shape = shape_problem(kjt)
-        if shape is not None:
-            return Status.BAD_LENGTHS, shape, 0
-        bad_dtype = dtype_problem(kjt.values(), kjt.weights_or_none())
-        if bad_dtype is not None:
-            return Status.BAD_DTYPE, (bad_dtype,), kjt.stride()
-        return None
+        return batch_problem(kjt, self._input_keys)
 
+
+def key_problem(keys: Sequence[str], expected: Sequence[str]) -> Optional[Tuple[int, int, int]]:
+    """``Status.UNKNOWN_FEATURES``'s detail if ``keys`` are not the features
+    ``expected``, in order, else None. Such a batch is still sent (as a bare header),
+    so that every rank raises rather than waits."""
+    if list(keys) == list(expected):
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(keys, expected)) if a != b), min(len(keys), len(expected)))
+    return first, len(keys), len(expected)
+
+
+def batch_problem(kjt: Any, expected_keys: Sequence[str]) -> Optional[Tuple[Status, Tuple[int, ...], int]]:
+    """What is wrong with ``kjt`` that the host sees without reading its data, as
+    ``BaseTwExchange._host_problem`` reports it, else None."""
+    problem = key_problem(kjt.keys(), expected_keys)
+    if problem is not None:
+        return Status.UNKNOWN_FEATURES, problem, 0
+    if kjt.variable_stride_per_key():
+        return Status.VARIABLE_BATCH, (), 0
+    shape = shape_problem(kjt)
+    if shape is not None:
+        return Status.BAD_LENGTHS, shape, 0
+    bad_dtype = dtype_problem(kjt.values(), kjt.weights_or_none())
+    if bad_dtype is not None:
+        return Status.BAD_DTYPE, (bad_dtype,), kjt.stride()
+    return None
 
 
 def with_float32_weights(kjt: Any) -> Any:
@@ -276,24 +337,3 @@ def dtype_problem(values: torch.Tensor, weights: Optional[torch.Tensor]) -> Opti
     if weights is not None and not weights.is_floating_point():
         return BadDtype.WEIGHTS_NOT_FLOATING
     return None
-
-
-#: The attribute that carries a step's route from the lookup input (KJT) to the lookup
-#: output (tensor): a pipeline may drop a batch after its input dist, so routes ride
-#: with their batch rather than in a queue.
-_ROUTE = "_pgas_route"
-
-
-def attach_route(obj: Any, route: Any) -> Any:
-    setattr(obj, _ROUTE, route)
-    return obj
-
-
-def route_of(obj: Any, name: str) -> Any:
-    route = getattr(obj, _ROUTE, None)
-    if route is None:
-        raise PgasError(
-            f"{name}: the lookup output carries no route: the output dist was given "
-            f"a tensor that did not come from the PGAS lookup"
-        )
-    return route

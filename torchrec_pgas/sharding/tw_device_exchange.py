@@ -51,8 +51,8 @@ from triton.runtime.driver import driver
 from torchrec_pgas.kernels.bag_offsets import bag_offsets
 from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import ids_check
-from torchrec_pgas.kernels.ids_header import feature_runs, ids_header, runs_of
-from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout
+from torchrec_pgas.kernels.ids_header import feature_runs, ids_header
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.kernels.lookup_put import done_counters, lookup_put
 from torchrec_pgas.kernels.output_take import output_take
 from torchrec_pgas.kernels.put_signal import arrived, put_signal
@@ -64,26 +64,25 @@ from torchrec_pgas.sharding.device_batch import (
     LookupGroups,
     SlotsLookup,
     StreamScratch,
+    failure_texts,
+    put_text,
     send_input,
 )
 from torchrec_pgas.sharding.device_routing import (
+    MAX_RUNS,
     IdsRouting,
     OutputBlocks,
     PeerTables,
     TableWiseIds,
     first_batch_sizes,
-    per_owner,
 )
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, attach_route
+from torchrec_pgas.sharding.tw_base import BaseTwExchange
 from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.device_buffers import BufferSizes, DeviceBuffers
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
-#: The most runs of consecutive features an owner's part of a batch may take: each run
-#: is three of ``put_signal``'s unrolled puts. A batch order that scatters an owner's
-#: features more goes TorchRec's way (permuted into the sharding's order).
-MAX_RUNS = 8
+__all__ = ["MAX_RUNS", "DeviceTwExchange"]
 
 
 class DeviceTwExchange(BaseTwExchange):
@@ -122,15 +121,17 @@ class DeviceTwExchange(BaseTwExchange):
         self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
+        self._text: Optional[torch.Tensor] = None  # the message a failing send puts
         # A step's record (``DeviceRoute.record``): every source's header, then the
         # error record from this word on.
         self._err_at = transport.world_size * HEADER_WORDS
 
     # ------------------------------------------------------------------- send
 
-    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+    def _send(self, kjt: KeyedJaggedTensor) -> int:
         """Puts this rank's ids for the next step into every owner's slot; returns the
-        step."""
+        step. What may fail on this rank alone comes before the step is counted."""
+        self._t.check_alive(self._name)
         x = send_input(kjt, self._host_problem(kjt), self._weighted, self._routing, self._dev)
         if self._layout is None:
             self._allocate_once(x.batch, x.offsets)
@@ -141,9 +142,13 @@ class DeviceTwExchange(BaseTwExchange):
         if buffers.held is not None and self._send_step + 1 - buffers.held >= DEFAULT_DEPTH:
             buffers.release_held()
         self._make_room()
+        verdict, headers, chunks = self._scratch.send(driver.active.get_current_stream(self._dev.index))
+        text = None
+        if x.problem is not None and x.problem[0] == Status.FAILED:
+            text = self._failure_text(layout).to(self._dev)
+            x = x._replace(problem=(Status.FAILED, (text.numel(),)))
         self._send_step += 1
         step = self._send_step
-        verdict, headers, chunks = self._scratch.send(driver.active.get_current_stream(self._dev.index))
         if x.problem is None:
             ids_check(*x.checked, self._num_rows, verdict, x.batch, x.narrowed)
         ids_header(
@@ -151,6 +156,9 @@ class DeviceTwExchange(BaseTwExchange):
             headers, chunks, x.batch, x.problem, layout, buffers.slot_offset(self._me, step),
             checked=x.checked[:2],
         )
+        if text is not None:
+            put_text(chunks, text)
+            self._text = text  # until the next failing send: the puts read it
         put_signal(
             buffers.all_ranks, chunks, buffers.ids, buffers.ids_ready, buffers.ids_free, buffers.err,
             self._me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
@@ -159,7 +167,7 @@ class DeviceTwExchange(BaseTwExchange):
         return step
 
     def _routable(self, pos: List[int]) -> bool:
-        return all(len(runs_of(part)) <= MAX_RUNS for part in per_owner(self._counts, pos))
+        return self._routing.routable(pos)
 
     def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective)."""
@@ -190,13 +198,12 @@ class DeviceTwExchange(BaseTwExchange):
 
     # ---------------------------------------------------------------- receive
 
-    def recv_ids(self, step: int) -> LookupBatch:
+    def _recv(self, step: int, divisor: Optional[torch.Tensor]) -> LookupBatch:
         """Enqueues the wait for every source's slot of ``step`` and lays out the
         owner's lookup batch (see the module docstring)."""
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None, "recv_ids before send_ids"
         buffers.release_held()
-        self._catch_up(step)
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
         slots = buffers.slots(step)
@@ -208,24 +215,22 @@ class DeviceTwExchange(BaseTwExchange):
             slots, features, layout, record, self._scratch.scan(stream), buffers.ids_ready, arrived(step),
             buffers.err, self._t.timeout_ns,
         )
-        batch = LookupBatch(groups=[], record=record, bags_per_feature=world * cap)
-        route = DeviceRoute(record=record, my_batch=self._my_batches.popleft())
+        route = DeviceRoute(record=record, my_batch=self._my_batches.popleft(), step=step, divisor=divisor)
+        batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
             if self._fused.enabled and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
                 buffers.hold(step)
-                batch.exchange, batch.from_slots = self, SlotsLookup(slots, offsets, step, stream, route)
-                return attach_route(batch, route)
+                batch.from_slots = SlotsLookup(slots, offsets, step, stream)
+                return batch
             batch.groups = self._groups.kjts(slots, offsets)
         # Everything is read (stream ordered): release the slots to their sources.
         buffers.release(step)
-        return attach_route(batch, route)
+        return batch
 
-    def _drop_next(self) -> None:
+    def _drop_step(self, step: int) -> None:
         buffers = self._buffers
         assert buffers is not None
-        self._recv_step += 1
-        step = self._recv_step
         buffers.wait(step)
         buffers.release(step)
         self._my_batches.popleft()
@@ -265,8 +270,8 @@ class DeviceTwExchange(BaseTwExchange):
             max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
         )
         # The slots stay held until the output's take releases them.
-        lookup.route.ids_step = step
-        return self._no_rows.detach()  # a tensor of its own: it carries the step's route
+        batch.route.ids_step = step
+        return self._no_rows
 
     # ----------------------------------------------------------------- output
 
@@ -299,19 +304,21 @@ class DeviceTwExchange(BaseTwExchange):
             self._peers.out_free_words, self._peers.ids_free_words, self._take_done, buffers.err, route.record,
             self._err_at, self._expected_rows, step, ids_step, self._t.timeout_ns,
         )
-        self._check(route.record)
+        self._check(route)
         return pooled
 
-    def _check(self, step_record: torch.Tensor) -> None:
+    def _check(self, route: DeviceRoute) -> None:
         """Raises what the step's headers or the device-side waits report (one sync)."""
-        record = step_record.tolist()
+        record = route.record.tolist()
         n = HEADER_WORDS
         if record[self._err_at]:  # the error record's code word
             self._t.check(self._name)
-        self._raise_for_bad_headers(
-            [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)],
-            self._out_step,
-        )
+        headers = [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)]
+        texts: Sequence[str] = ()
+        if any(h.status == Status.FAILED for h in headers):
+            assert self._buffers is not None and self._layout is not None
+            texts = failure_texts(headers, self._buffers.slots(route.step), self._layout)
+        self._raise_for_bad_headers(headers, self._out_step, texts)
 
     # -------------------------------------------------------------- gradients
 

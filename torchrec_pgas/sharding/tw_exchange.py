@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, attach_route, with_float32_weights
+from torchrec_pgas.sharding.exchange import HostBatch
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, with_float32_weights
 from torchrec_pgas.transport import Mailbox
 
 
@@ -102,10 +103,7 @@ class TwExchange(BaseTwExchange):
         order ``adopt_input_order`` took is permuted into it)."""
         return with_float32_weights(kjt).permute(self._input_pos) if self._reordered else kjt
 
-    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
-        """Puts this rank's ids for the next step into every owner's slot; returns the
-        step. Everything that may raise on this rank alone comes before the first put
-        (``PgasSparseFeaturesDist`` then sends the error instead)."""
+    def _send(self, kjt: KeyedJaggedTensor) -> int:
         problem = self._host_problem(kjt)
         if problem is not None:
             status, detail, batch_size = problem
@@ -160,19 +158,18 @@ class TwExchange(BaseTwExchange):
             box.end_send(owner, step)
         return step
 
-    def _drop_next(self) -> None:
+    def _drop_step(self, step: int) -> None:
         box = self._ids
         assert box is not None
-        self._recv_step += 1
         for source in range(self._t.world_size):
-            box.wait(source, self._recv_step)
-            box.release(source, self._recv_step)
+            box.wait(source, step)
+            box.release(source, step)
 
-    def recv_ids(self, step: int) -> KeyedJaggedTensor:
-        """Waits for every source's slot of ``step``; returns the owner's KJT."""
+    def _recv(self, step: int, divisor: Optional[torch.Tensor]) -> HostBatch:
+        """Waits for every source's slot of ``step``; returns the owner's KJT and the
+        step's route."""
         box, layout = self._ids, self._layout
         assert box is not None and layout is not None, "recv_ids before send_ids"
-        self._catch_up(step)
         self._recv_step = step
         me = self._t.rank
         features = self._features_per_rank[me]
@@ -208,10 +205,7 @@ class TwExchange(BaseTwExchange):
             else None,
             stride=sum(h.batch_size for h in headers),
         )
-        return attach_route(kjt, self._route([h.batch_size for h in headers]))
-
-    def _route(self, batch_sizes: List[int]) -> Route:
-        return Route(batch_sizes)
+        return HostBatch(kjt, Route([h.batch_size for h in headers], divisor))
 
     # ---------------------------------------------------------- pooled forward
 

@@ -1,0 +1,112 @@
+"""The typed contract between the PGAS dists and lookup (``dists.py``) and the
+exchanges that move the data (``tw_exchange``, ``rw_exchange`` on the host transport;
+``tw_device_exchange``, ``rw_device_exchange`` on GPUs).
+
+A step is explicit: ``recv_ids`` returns the lookup's input together with the step's
+route (``LookupInput``), the lookup returns its pooled rows together with that route
+(``PooledLookup``), and the output dist hands the route back to the exchange. Nothing
+rides on a tensor, and nothing is queued between the lookup and the output dist, so a
+pipeline may drop a batch after its input dist.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.kernels.ids_slot import Status
+
+
+class StepRoute(Protocol):
+    """What the output and gradient exchanges of one step need from its input; its
+    ``divisor`` (row-wise mean pooling, ``[batch, dims]``) divides the summed output."""
+
+    divisor: Optional[torch.Tensor]
+
+
+class LookupInput(Protocol):
+    """The owner's lookup input of one step, as TorchRec's pipelines and the lookup
+    handle it (``HostBatch``, ``device_batch.LookupBatch``)."""
+
+    route: Any  # the step's ``StepRoute``
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor the step still reads as used on ``stream`` (pipelines lay
+        the batch out on their data-dist stream)."""
+
+    def stride(self) -> int:
+        """Bags per feature (TorchRec reads the input dist's output as a KJT's)."""
+
+    def variable_stride_per_key(self) -> bool:
+        """Always False: the exchanges refuse variable batch sizes."""
+
+
+@dataclass
+class HostBatch:
+    """The host exchanges' lookup input: the KJT TorchRec's lookup pools, and its
+    step's route."""
+
+    kjt: KeyedJaggedTensor
+    route: Any
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        self.kjt.record_stream(stream)
+        if self.route.divisor is not None:
+            self.route.divisor.record_stream(stream)
+
+    def stride(self) -> int:
+        return self.kjt.stride()
+
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+
+class PooledLookup(NamedTuple):
+    """The lookup's output: this owner's pooled rows (or partial sums) of every
+    source's bags, in lookup order, and the route the output dist needs to put them."""
+
+    embs: torch.Tensor
+    route: Any
+
+    def register_hook(self, hook: Any) -> Any:
+        """``embs.register_hook``: TorchRec's compute step may hook the lookup output's
+        gradient (weight stashing)."""
+        return self.embs.register_hook(hook)
+
+
+class Exchange(Protocol):
+    """One sharding's exchange: puts ids to their owners, pooled rows back to their
+    requesters and gradients to the owners (see ``tw_exchange`` for the steps)."""
+
+    @property
+    def sent_steps(self) -> int:
+        """How many steps this rank has sent."""
+
+    def send_ids(self, kjt: KeyedJaggedTensor) -> int:
+        """Puts this rank's ids for the next step into every owner's slot; returns the
+        step."""
+
+    def recv_ids(self, step: int) -> LookupInput:
+        """Waits for every source's ids of ``step``; returns this owner's lookup input."""
+
+    def lookup_put(self, batch: Any, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
+        """Pools ``batch`` and puts the rows itself, returning the lookup output's
+        stand-in; or None: TorchRec's lookup pools it."""
+
+    def exchange_pooled(self, local_embs: torch.Tensor, route: Any) -> torch.Tensor:
+        """Puts every requester's pooled rows; returns this rank's output."""
+
+    def exchange_grads(
+        self, grad_out: torch.Tensor, route: Any, local_embs_shape: torch.Size, divide: bool
+    ) -> torch.Tensor:
+        """Puts the output gradient to the owners; returns the local lookup output's."""
+
+    def fail_next_send(self, error: BaseException) -> None:
+        """Makes the next send report ``error`` instead of its batch."""
+
+    def adopt_input_order(self, keys: List[str]) -> bool:
+        """Takes batches with exactly the features ``keys``, in that order."""
+
+    def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
+        """Makes the next send report ``status`` for its batch."""
