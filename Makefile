@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	no_deps="$(NO_DEPS)" && if [ -n "$$no_deps" ]; then $(PIP) --no-deps $$no_deps; fi
 	touch $@
 
-test: install
+test: install lint
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
 # ruff's settings are in pyproject.toml.

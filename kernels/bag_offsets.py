@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, wait_ge
-from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 
 _OK = tl.constexpr(Status.OK.value)
 #: Set in a block's published total (a total may be zero).
@@ -50,7 +50,13 @@ NUM_WARPS = 4
 
 @triton.jit(
     do_not_specialize=[
-        "num_features", "num_sources", "batch_capacity", "slot_bytes", "lengths_offset", "target", "timeout_ns",
+        "num_features",
+        "num_sources",
+        "batch_capacity",
+        "slot_bytes",
+        "lengths_offset",
+        "target",
+        "timeout_ns",
     ]
 )
 def bag_offsets_kernel(
@@ -155,8 +161,23 @@ def bag_offsets(
     offsets = torch.empty(num_features * S * layout.batch_capacity + 1, dtype=torch.int64, device=slots.device)
     wait = ready is not None
     _launcher[(_programs(num_features, S, layout),)](
-        slots, offsets, record, ready if wait else record, err if wait else record, scan,
-        num_features, S, layout.batch_capacity, layout.nbytes, layout.lengths_offset, target, timeout_ns,
-        WAIT=wait, WORDS=HEADER_WORDS, BLOCK=BLOCK, LOOK=LOOK, num_warps=NUM_WARPS,
+        slots,
+        offsets,
+        record,
+        ready if wait else record,
+        err if wait else record,
+        scan,
+        num_features,
+        S,
+        layout.batch_capacity,
+        layout.nbytes,
+        layout.lengths_offset,
+        target,
+        timeout_ns,
+        WAIT=wait,
+        WORDS=HEADER_WORDS,
+        BLOCK=BLOCK,
+        LOOK=LOOK,
+        num_warps=NUM_WARPS,
     )
     return offsets

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
+from torchrec_pgas.kernels.launch import Launcher
 
 BLOCK = 1024
 SPLIT = 32
@@ -28,9 +28,7 @@ NUM_WARPS = 4
 
 
 @triton.jit(
-    do_not_specialize=[
-        "first_feature", "num_sources", "batch_capacity", "slot_bytes", "ids_offset", "weights_offset"
-    ]
+    do_not_specialize=["first_feature", "num_sources", "batch_capacity", "slot_bytes", "ids_offset", "weights_offset"]
 )
 def gather_ids_kernel(
     slots_ptr,
@@ -93,8 +91,18 @@ def gather_ids(
     if num_features == 0 or S == 0:
         return
     _launcher[(num_features, S, SPLIT)](
-        slots, offsets, indices, weights,
-        first_feature, S, layout.batch_capacity, layout.nbytes, layout.ids_offset,
-        layout.weights_offset, HAS_WEIGHTS=has_weights, SPLIT=SPLIT, BLOCK=BLOCK,
+        slots,
+        offsets,
+        indices,
+        weights,
+        first_feature,
+        S,
+        layout.batch_capacity,
+        layout.nbytes,
+        layout.ids_offset,
+        layout.weights_offset,
+        HAS_WEIGHTS=has_weights,
+        SPLIT=SPLIT,
+        BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

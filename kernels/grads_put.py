@@ -152,9 +152,22 @@ def grads_put(
         put = nv.put_path_options("dests", dests, (dests.size(0), PUT_DEST_WORDS))
         words = PUT_DEST_WORDS
     _launcher[grid](
-        grad, dests, free, err, grad.size(0), grad.stride(0), generation_bytes, scale, free_target, timeout_ns,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * grad.element_size(), DEST_WORDS=words,
-        num_warps=NUM_WARPS, **put,
+        grad,
+        dests,
+        free,
+        err,
+        grad.size(0),
+        grad.stride(0),
+        generation_bytes,
+        scale,
+        free_target,
+        timeout_ns,
+        BLOCK_B=BLOCK_B,
+        BLOCK_D=BLOCK_D,
+        ALIGN=4 * grad.element_size(),
+        DEST_WORDS=words,
+        num_warps=NUM_WARPS,
+        **put,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 
 #: What a verdict word holds when nothing is wrong.
@@ -86,7 +87,18 @@ def ids_check(
     n = max(values.numel(), lengths.numel())
     if n:
         _launcher[(cdiv(n, BLOCK),)](
-            values, offsets, lengths, lengths if narrowed is None else narrowed, num_rows, verdict,
-            values.numel(), lengths.numel(), batch, num_rows.numel(),
-            NONE=NONE, NARROW=narrowed is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            values,
+            offsets,
+            lengths,
+            lengths if narrowed is None else narrowed,
+            num_rows,
+            verdict,
+            values.numel(),
+            lengths.numel(),
+            batch,
+            num_rows.numel(),
+            NONE=NONE,
+            NARROW=narrowed is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
         )

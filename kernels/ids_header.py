@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.ids_check import NONE
-from torchrec_pgas.kernels.launch import Launcher, next_power_of_2
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
+from torchrec_pgas.kernels.launch import Launcher, next_power_of_2
 
 _OK = tl.constexpr(Status.OK.value)
 _OUT_OF_RANGE = tl.constexpr(Status.ID_OUT_OF_RANGE.value)
@@ -50,10 +50,25 @@ _BAD_LENGTHS = tl.constexpr(Status.BAD_LENGTHS.value)
 
 @triton.jit(
     do_not_specialize=[
-        "batch", "n_ids", "num_features", "num_check_features", "has_weights", "host_status", "host_d0", "host_d1",
-        "host_d2", "batch_capacity",
-        "ids_capacity", "slot_offset", "lengths_offset", "ids_offset", "weights_offset",
-        "lengths_addr", "values_addr", "weights_addr", "headers_addr",
+        "batch",
+        "n_ids",
+        "num_features",
+        "num_check_features",
+        "has_weights",
+        "host_status",
+        "host_d0",
+        "host_d1",
+        "host_d2",
+        "batch_capacity",
+        "ids_capacity",
+        "slot_offset",
+        "lengths_offset",
+        "ids_offset",
+        "weights_offset",
+        "lengths_addr",
+        "values_addr",
+        "weights_addr",
+        "headers_addr",
     ]
 )
 def ids_header_kernel(
@@ -230,14 +245,38 @@ def ids_header(
     d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
     check_values, check_offsets = checked if checked is not None else (values, offsets)
     _launcher[(1,)](
-        verdict, values, offsets, check_values, check_offsets, num_rows, runs,
-        headers, chunks, batch, values.numel(), lengths.numel() // max(batch, 1),
-        num_rows.numel(), int(weights is not None),
-        int(status), d0, d1, d2,
-        layout.batch_capacity, layout.ids_capacity, slot_offset,
-        layout.lengths_offset, layout.ids_offset, layout.weights_offset,
-        lengths.data_ptr(), values.data_ptr(),
-        weights.data_ptr() if weights is not None else values.data_ptr(), headers.data_ptr(),
-        W=world, BLOCK_W=next_power_of_2(world), R=runs.size(1), WORDS=HEADER_WORDS, NONE=NONE,
+        verdict,
+        values,
+        offsets,
+        check_values,
+        check_offsets,
+        num_rows,
+        runs,
+        headers,
+        chunks,
+        batch,
+        values.numel(),
+        lengths.numel() // max(batch, 1),
+        num_rows.numel(),
+        int(weights is not None),
+        int(status),
+        d0,
+        d1,
+        d2,
+        layout.batch_capacity,
+        layout.ids_capacity,
+        slot_offset,
+        layout.lengths_offset,
+        layout.ids_offset,
+        layout.weights_offset,
+        lengths.data_ptr(),
+        values.data_ptr(),
+        weights.data_ptr() if weights is not None else values.data_ptr(),
+        headers.data_ptr(),
+        W=world,
+        BLOCK_W=next_power_of_2(world),
+        R=runs.size(1),
+        WORDS=HEADER_WORDS,
+        NONE=NONE,
         num_warps=1,
     )

@@ -196,6 +196,5 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
         }[BadDtype(d[0])]
         return f"rank {source} sent a KJT with {what}"
     return (
-        f"rank {source} sent a KJT with a variable batch size per feature, which the "
-        f"PGAS sharding types do not support"
+        f"rank {source} sent a KJT with a variable batch size per feature, which the PGAS sharding types do not support"
     )

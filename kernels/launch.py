@@ -112,7 +112,8 @@ class Launcher:
         self._positional: Optional[int] = len(runtime) if params[: len(runtime)] == runtime else None
         self._loose = tuple(
             (p.num, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-            for p in runtime if not _fixed(p)
+            for p in runtime
+            if not _fixed(p)
         )
 
     def __getitem__(self, grid: Tuple[int, ...]) -> Callable[..., None]:
@@ -135,8 +136,11 @@ class Launcher:
             backend = caches[device][3]
             # Triton's key also holds the two knobs it adds to the options on every launch.
             keyed = (
-                device, tuple([native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._loose]),
-                _options_key(kwargs), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                device,
+                tuple([native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._loose]),
+                _options_key(kwargs),
+                knobs.runtime.debug,
+                knobs.compilation.instrumentation_mode,
             )
             hit = self._keyed.get(keyed)
             if hit is not None:
@@ -145,15 +149,18 @@ class Launcher:
                 return
         bound, specialization, options = caches[device][4](*args, **kwargs)
         key = (
-            device, tuple(specialization), _options_key(options),
-            knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            device,
+            tuple(specialization),
+            _options_key(options),
+            knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode,
         )
         launch = self._compiled.get(key)
         if launch is None:
             self._compiled[key] = _direct(kernel[grid](*args, **kwargs))
             return
         if keyed is not None:
-            self._keyed[keyed] = (launch, tuple(bound.values())[len(args):])
+            self._keyed[keyed] = (launch, tuple(bound.values())[len(args) :])
         launch(g0, g1, g2, driver.active.get_current_stream(device), *bound.values())
 
 
@@ -165,5 +172,15 @@ def _direct(compiled: Any) -> Callable[..., None]:
         return lambda g0, g1, g2, stream, *args: run(
             g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
         )
-    fixed = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+    fixed = (
+        compiled.function,
+        run.launch_cooperative_grid,
+        run.launch_pdl,
+        None,
+        None,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+    )
     return lambda g0, g1, g2, stream, *args: run.launch(g0, g1, g2, stream, *fixed, *args)

@@ -60,11 +60,11 @@ import triton.language as tl
 
 # A requester counts blocks of ``rows_put``'s rows, whichever kernel put them.
 from torchrec_pgas.kernels import nvshmem_device as nv
+from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.rows_put import PUT_ROWS
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
-from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 
 #: One warp per bag, as FBGEMM.
 BLOCK_B = 2
@@ -75,7 +75,6 @@ NUM_WARPS = 2
 ROWS = 4
 #: Earlier features whose ids a program counts at once, at most (to find its bags' ids).
 MAX_FEATURES = 32
-
 
 
 @triton.jit
@@ -104,8 +103,14 @@ def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
 @nv.has_put_path
 @triton.jit(
     do_not_specialize=[
-        "batch_capacity", "slot_bytes", "ids_offset", "weights_offset",
-        "pitch", "done_target", "free_target", "timeout_ns",
+        "batch_capacity",
+        "slot_bytes",
+        "ids_offset",
+        "weights_offset",
+        "pitch",
+        "done_target",
+        "free_target",
+        "timeout_ns",
     ]
 )
 def lookup_put_kernel(
@@ -265,12 +270,34 @@ def lookup_put(
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
-        slots, offsets, features, table, out_like, out_addrs, cnt_addrs, done, free, err,
-        layout.batch_capacity, layout.nbytes, layout.ids_offset, layout.weights_offset,
-        pitch, F * (COUNT_B // BLOCK_B), free_target, timeout_ns,
-        HAS_WEIGHTS=has_weights, ROW_ALIGN=4 * table.element_size(), OUT_ALIGN=4 * out_like.element_size(), COUNT_B=COUNT_B,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ROWS=ROWS, FEATURES=min(next_power_of_2(F), MAX_FEATURES),
-        num_warps=NUM_WARPS, **put,
+        slots,
+        offsets,
+        features,
+        table,
+        out_like,
+        out_addrs,
+        cnt_addrs,
+        done,
+        free,
+        err,
+        layout.batch_capacity,
+        layout.nbytes,
+        layout.ids_offset,
+        layout.weights_offset,
+        pitch,
+        F * (COUNT_B // BLOCK_B),
+        free_target,
+        timeout_ns,
+        HAS_WEIGHTS=has_weights,
+        ROW_ALIGN=4 * table.element_size(),
+        OUT_ALIGN=4 * out_like.element_size(),
+        COUNT_B=COUNT_B,
+        BLOCK_B=BLOCK_B,
+        BLOCK_D=BLOCK_D,
+        ROWS=ROWS,
+        FEATURES=min(next_power_of_2(F), MAX_FEATURES),
+        num_warps=NUM_WARPS,
+        **put,
     )
 
 

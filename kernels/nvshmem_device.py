@@ -29,9 +29,12 @@ _I32, _I64, _U64 = core.dtype("int32"), core.dtype("int64"), core.dtype("uint64"
 def putmem_nbi_block(dest, source, nbytes, pe, _semantic=None):
     """``nvshmemx_putmem_nbi_block(void *dest, const void *source, size_t nbytes, int pe)``."""
     return core.extern_elementwise(
-        "", "", [dest, source, nbytes, pe],
+        "",
+        "",
+        [dest, source, nbytes, pe],
         {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
-        is_pure=False, _semantic=_semantic,
+        is_pure=False,
+        _semantic=_semantic,
     )
 
 
@@ -40,9 +43,12 @@ def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, 
     """``nvshmemx_putmem_signal_nbi_block(void *dest, const void *source, size_t nbytes,
     uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)``."""
     return core.extern_elementwise(
-        "", "", [dest, source, nbytes, sig_addr, signal, sig_op, pe],
+        "",
+        "",
+        [dest, source, nbytes, sig_addr, signal, sig_op, pe],
         {(_I64, _I64, _I64, _I64, _U64, _I32, _I32): ("nvshmemx_putmem_signal_nbi_block", _I32)},
-        is_pure=False, _semantic=_semantic,
+        is_pure=False,
+        _semantic=_semantic,
     )
 
 
@@ -50,27 +56,26 @@ def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, 
 def signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
     """``nvshmemx_signal_op(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)``."""
     return core.extern_elementwise(
-        "", "", [sig_addr, signal, sig_op, pe],
+        "",
+        "",
+        [sig_addr, signal, sig_op, pe],
         {(_I64, _U64, _I32, _I32): ("nvshmemx_signal_op", _I32)},
-        is_pure=False, _semantic=_semantic,
+        is_pure=False,
+        _semantic=_semantic,
     )
 
 
 @core.extern
 def fence(_semantic=None):
     """``nvshmem_fence()``: orders this thread's puts to each PE before later ones."""
-    return core.extern_elementwise(
-        "", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False, _semantic=_semantic
-    )
+    return core.extern_elementwise("", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False, _semantic=_semantic)
 
 
 @core.extern
 def quiet(_semantic=None):
     """``nvshmem_quiet()``: completes this thread's puts and signals (delivered at the
     target, sources reusable)."""
-    return core.extern_elementwise(
-        "", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False, _semantic=_semantic
-    )
+    return core.extern_elementwise("", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False, _semantic=_semantic)
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,7 +63,9 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
         addr = tl.load(addrs_ptr + i)
         if PUT_PATH:
             if addr == 0:
-                signal_put(tl.load(addrs_ptr + 2 * n + i), value, nv.SIGNAL_SET, tl.load(addrs_ptr + n + i).to(tl.int32))
+                signal_put(
+                    tl.load(addrs_ptr + 2 * n + i), value, nv.SIGNAL_SET, tl.load(addrs_ptr + n + i).to(tl.int32)
+                )
             else:
                 tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64), bitcast=True), value, sem="release", scope="sys")
         else:
@@ -74,7 +76,15 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
 @nv.has_put_path
 @triton.jit(
     do_not_specialize=[
-        "batch", "rows", "num_owners", "num_sources", "target", "out_step", "ids_step", "timeout_ns", "at",
+        "batch",
+        "rows",
+        "num_owners",
+        "num_sources",
+        "target",
+        "out_step",
+        "ids_step",
+        "timeout_ns",
+        "at",
     ]
 )
 def output_take_kernel(
@@ -167,7 +177,28 @@ def output_take(
         nv.put_path_options("ids_free", ids_free, (PUT_ROWS, num_sources))
         put = nv.put_path_options("out_free", out_free, (PUT_ROWS, owners.numel()))
     _launcher[grid](
-        slot, out, counts, owners, out_free, ids_free, done, err, record,
-        batch, rows, pitch, owners.numel(), num_sources, target, out_step, ids_step, timeout_ns, at,
-        BLOCKS=blocks, BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, **put,
+        slot,
+        out,
+        counts,
+        owners,
+        out_free,
+        ids_free,
+        done,
+        err,
+        record,
+        batch,
+        rows,
+        pitch,
+        owners.numel(),
+        num_sources,
+        target,
+        out_step,
+        ids_step,
+        timeout_ns,
+        at,
+        BLOCKS=blocks,
+        BLOCK_B=BLOCK_B,
+        BLOCK_D=BLOCK_D,
+        num_warps=NUM_WARPS,
+        **put,
     )

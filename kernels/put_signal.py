@@ -108,8 +108,19 @@ def put_signal(
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
     grid = (peers.numel(), PROGRAMS_PER_PEER if nchunk else 1)
     _launcher[grid](
-        peers, chunks, dst.data_ptr(), ready.data_ptr(), free, err,
-        me, step, free_target, timeout_ns,
-        NCHUNK=nchunk, PROGRAMS=PROGRAMS_PER_PEER, ALIGN=ALIGN, num_warps=NUM_WARPS,
+        peers,
+        chunks,
+        dst.data_ptr(),
+        ready.data_ptr(),
+        free,
+        err,
+        me,
+        step,
+        free_target,
+        timeout_ns,
+        NCHUNK=nchunk,
+        PROGRAMS=PROGRAMS_PER_PEER,
+        ALIGN=ALIGN,
+        num_warps=NUM_WARPS,
         extern_libs=nv.bitcode_libs(),
     )

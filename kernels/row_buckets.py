@@ -106,9 +106,18 @@ def row_buckets(
     weights_out = torch.empty_like(weights) if weights is not None else None
     grid = (cdiv(num_bags, BLOCK),)
     args = (
-        values, offsets, weights if weights is not None else values, block_sizes,
-        lengths_out, lengths_out, values_out, weights_out if weights_out is not None else values_out,
-        values.numel(), num_bags, num_bags // block_sizes.numel(), world,
+        values,
+        offsets,
+        weights if weights is not None else values,
+        block_sizes,
+        lengths_out,
+        lengths_out,
+        values_out,
+        weights_out if weights_out is not None else values_out,
+        values.numel(),
+        num_bags,
+        num_bags // block_sizes.numel(),
+        world,
     )
     meta = dict(HAS_WEIGHTS=weights is not None, BLOCK=BLOCK, W_PAD=next_power_of_2(world), num_warps=NUM_WARPS)
     if not num_bags:

@@ -109,7 +109,9 @@ def rows_put_kernel(
                     at = col.to(tl.int64) * size
                     dst = tl.load(out_addrs_ptr + 2 * S + s) + at
                     n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
-                    put_rows(dst, out_addr + at, pitch.to(tl.int64) * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
+                    put_rows(
+                        dst, out_addr + at, pitch.to(tl.int64) * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe
+                    )
                     nv.quiet()
                     signal_put(tl.load(out_addrs_ptr + 3 * S + s), 1, nv.SIGNAL_ADD, pe)
                 else:
@@ -143,9 +145,24 @@ def rows_put(
     grid = (S, cdiv(batch_capacity, BLOCK_B))
     put = nv.put_path_options("out_addrs", out_addrs, (PUT_ROWS, S)) if put_path else {}
     _launcher[grid](
-        src, batch, batch.stride(0), out_addrs, cnt_addrs, free, err,
-        batch_capacity, dim, pitch, col, free_target, timeout_ns,
-        BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D, ALIGN=4 * src.element_size(), num_warps=NUM_WARPS, **put,
+        src,
+        batch,
+        batch.stride(0),
+        out_addrs,
+        cnt_addrs,
+        free,
+        err,
+        batch_capacity,
+        dim,
+        pitch,
+        col,
+        free_target,
+        timeout_ns,
+        BLOCK_B=BLOCK_B,
+        BLOCK_D=BLOCK_D,
+        ALIGN=4 * src.element_size(),
+        num_warps=NUM_WARPS,
+        **put,
     )
 
 

@@ -23,16 +23,12 @@ from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import load_unsharded_state_dict
 
 
-def _entry(
-    rank: int, fn: Callable, world_size: int, store: str, backend: str, kwargs: Dict[str, Any]
-) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, kwargs: Dict[str, Any]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"file://{store}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
     fn(rank=rank, world_size=world_size, **kwargs)
     dist.barrier()
     # Every rank got here: leave without tearing gloo down. Teardown during interpreter
@@ -48,16 +44,21 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "dlrm")
 
 def run_example(script: str, *args: str) -> str:
     """Runs an example script on two processes with torchrun; returns its stdout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLE, script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(EXAMPLE, script),
+        *args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done.stdout
 
 
-def run_ranks(
-    fn: Callable, world_size: int, backend: str = "gloo", deadline_s: float = 600, **kwargs: Any
-) -> None:
+def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", deadline_s: float = 600, **kwargs: Any) -> None:
     """Runs ``fn(rank=, world_size=, **kwargs)`` in ``world_size`` fresh processes of
     one process group (``nccl``: rank r on GPU r); a failure in any rank fails the
     caller with that rank's traceback, and ranks still running after ``deadline_s``

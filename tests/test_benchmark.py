@@ -54,10 +54,35 @@ def test_link_measurement_puts_every_byte_once_from_many_blocks():
 
 def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     out = str(tmp_path / "bench")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "torchrec_pgas.benchmark", "--suite", "r1,weak,zipf,large_tables", "--tables", "4", "--rows", "300",
-           "--dim", "8", "--batch-size", "16", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1",
-           "--rounds", "2", "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "torchrec_pgas.benchmark",
+        "--suite",
+        "r1,weak,zipf,large_tables",
+        "--tables",
+        "4",
+        "--rows",
+        "300",
+        "--dim",
+        "8",
+        "--batch-size",
+        "16",
+        "--ids-per-bag",
+        "3",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--out",
+        out,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     with open(os.path.join(out, "results.json")) as f:
@@ -65,7 +90,11 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     rows, host = results["rows"], results["meta"]["host"]
     assert host["cpu"] and 0 < host["alloc_us"] < 1e4  # what moves the ratios between machines
     assert [(r["scenario"], r["config"]["ranks"]) for r in rows] == [
-        ("r1", 2), ("weak", 1), ("weak", 2), ("zipf", 2), ("large_tables", 2)
+        ("r1", 2),
+        ("weak", 1),
+        ("weak", 2),
+        ("zipf", 2),
+        ("large_tables", 2),
     ]
     assert rows[-1]["config"]["tables"] == 4 and rows[-1]["config"]["rows"] == 3000
     assert all(len(r["speedup_per_round"]["forward_ms"]) == 2 and r["wall_s"] > 0 for r in rows)
@@ -85,9 +114,29 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
 
 def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
     out = str(tmp_path / "prof")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "torchrec_pgas.benchmark.profile", "--tables", "4", "--rows", "300", "--dim", "8",
-           "--batch-size", "16", "--ids-per-bag", "3", "--iters", "3", "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "torchrec_pgas.benchmark.profile",
+        "--tables",
+        "4",
+        "--rows",
+        "300",
+        "--dim",
+        "8",
+        "--batch-size",
+        "16",
+        "--ids-per-bag",
+        "3",
+        "--iters",
+        "3",
+        "--out",
+        out,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     timed = [line.split()[:2] for line in done.stdout.splitlines() if "step_ms" in line]

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from dist_utils import EXAMPLE, run_example
 
 
@@ -15,7 +14,9 @@ def test_train_checkpoint_and_serve_under_the_other_sharding(tmp_path, trained, 
     ckpt = str(tmp_path / "ckpt")
     out = run_example("train.py", "--sharding", trained, "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
     assert f"{trained}: 20 steps on 2 x cpu" in out and "eval AUROC" in out
-    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", f"{trained},{served}", "--batches", "8", "--batch-size", "64")
+    out = run_example(
+        "infer.py", "--checkpoint", ckpt, "--shardings", f"{trained},{served}", "--batches", "8", "--batch-size", "64"
+    )
     assert f"predictions of {trained} and {served}: identical" in out, out
 
 
@@ -32,8 +33,11 @@ def test_training_resumes_from_its_checkpoint_with_the_optimizer_state(tmp_path)
         dcp_to_torch_save(ckpt, ckpt + ".pt")
         state = torch.load(ckpt + ".pt", weights_only=False)
         return {
-            name: m for k, v in state["optim"]["state"].items() if "embedding_bags" in k
-            for name, m in v.items() if name.endswith("momentum1")
+            name: m
+            for k, v in state["optim"]["state"].items()
+            if "embedding_bags" in k
+            for name, m in v.items()
+            if name.endswith("momentum1")
         }
 
     before, after = momenta(first), momenta(second)
@@ -46,7 +50,9 @@ def test_training_resumes_from_its_checkpoint_with_the_optimizer_state(tmp_path)
 
 def test_train_on_criteo_tsv_learns(tmp_path):
     sample = str(tmp_path / "sample.tsv")
-    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "16000"], check=True)
+    subprocess.run(
+        [sys.executable, os.path.join(EXAMPLE, "make_criteo_sample.py"), sample, "--lines", "16000"], check=True
+    )
     out = run_example("train.py", "--data", sample, "--steps", "150", "--batch-size", "64", "--rows", "4000")
     auroc = float(out.split("eval AUROC ")[1].split(",")[0])
     assert auroc > 0.75, out  # the label is a function of one categorical feature
@@ -54,9 +60,21 @@ def test_train_on_criteo_tsv_learns(tmp_path):
 
 def test_pgas_row_wise_trains_and_serves_next_to_table_wise(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    out = run_example("train.py", "--sharding", "pgas_row_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt)
+    out = run_example(
+        "train.py", "--sharding", "pgas_row_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt
+    )
     assert "pgas_row_wise: 20 steps on 2 x cpu" in out
-    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", "pgas_row_wise,table_wise", "--batches", "4", "--batch-size", "64")
+    out = run_example(
+        "infer.py",
+        "--checkpoint",
+        ckpt,
+        "--shardings",
+        "pgas_row_wise,table_wise",
+        "--batches",
+        "4",
+        "--batch-size",
+        "64",
+    )
     # Row-wise partial sums are added in another order than one table's bag sum.
     assert "predictions of pgas_row_wise and table_wise: " in out, out
     gap = out.split("predictions of pgas_row_wise and table_wise: ")[1].split()
@@ -64,8 +82,18 @@ def test_pgas_row_wise_trains_and_serves_next_to_table_wise(tmp_path):
 
 
 def test_torchrec_row_wise_on_cpu_says_to_use_pgas_row_wise(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLE, "train.py"), "--sharding", "row_wise", "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(EXAMPLE, "train.py"),
+        "--sharding",
+        "row_wise",
+        "--steps",
+        "2",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "TorchRec's row_wise runs on GPUs only; on CPU use --sharding pgas_row_wise" in done.stdout + done.stderr

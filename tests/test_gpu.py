@@ -5,7 +5,6 @@ Skipped without two GPUs and nvshmem4py. On the GPU machine:
     python3 -m pytest -q tests/test_gpu.py
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,9 +14,6 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 GPUs", allow_module_level=True)
 pytest.importorskip("nvshmem.core")
-
-from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
 
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
@@ -31,11 +27,15 @@ from dist_utils import (  # noqa: E402
     torchrec_tw,
     tw_placement,
 )
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
+
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
 from torchrec_pgas.transport import Mailbox, get_transport  # noqa: E402
 from torchrec_pgas.types import PgasOptions  # noqa: E402
+
 
 def _mailbox(rank, world_size, steps, n):
     dev = torch.device("cuda", rank)
@@ -77,8 +77,11 @@ def _forward(rank, world_size, owners, batch_sizes, pooling, weighted):
         tables = make_tables(len(owners), seed, pooling)
         ref, pgas, tw = _models(rank, world_size, tables, owners, weighted, seed=seed)
         host = shard(
-            ref, tw_placement(tables, owners, pgas_tw), world_size,
-            PgasEmbeddingBagCollectionSharder(), pg=gloo,
+            ref,
+            tw_placement(tables, owners, pgas_tw),
+            world_size,
+            PgasEmbeddingBagCollectionSharder(),
+            pg=gloo,
         )
         for step in range(4):
             kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
@@ -119,8 +122,12 @@ def _inference(rank, world_size, data_types):
     poolings = [PoolingType.SUM, PoolingType.MEAN]
     tables = [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=d, num_embeddings=50 + 7 * i, feature_names=[f"f{i}"],
-            pooling=poolings[i % 2], data_type=data_types[i % len(data_types)],
+            name=f"t{i}",
+            embedding_dim=d,
+            num_embeddings=50 + 7 * i,
+            feature_names=[f"f{i}"],
+            pooling=poolings[i % 2],
+            data_type=data_types[i % len(data_types)],
         )
         for i, d in enumerate(dims)
     ]
@@ -304,5 +311,7 @@ def test_gpu_dlrm_example_trains_in_a_pipeline_and_serves_like_torchrec(tmp_path
     ckpt = str(tmp_path / "ckpt")
     out = run_example("train.py", "--sharding", ours, "--steps", "30", "--batch-size", "128", "--checkpoint", ckpt)
     assert f"{ours}: 30 steps on 2 x cuda" in out, out
-    out = run_example("infer.py", "--checkpoint", ckpt, "--shardings", f"{ours},{theirs}", "--batches", "10", "--batch-size", "128")
+    out = run_example(
+        "infer.py", "--checkpoint", ckpt, "--shardings", f"{ours},{theirs}", "--batches", "10", "--batch-size", "128"
+    )
     assert f"predictions of {ours} and {theirs}: identical" in out, out

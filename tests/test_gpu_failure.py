@@ -13,9 +13,9 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 GPUs", allow_module_level=True)
 pytest.importorskip("nvshmem.core")
 
+from dist_utils import make_tables, pgas_tw, random_kjt, run_ranks, shard, torchrec_tw, tw_placement  # noqa: E402
 from torchrec import EmbeddingBagCollection  # noqa: E402
 
-from dist_utils import make_tables, pgas_tw, random_kjt, run_ranks, shard, torchrec_tw, tw_placement  # noqa: E402
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.types import PgasOptions  # noqa: E402

@@ -21,10 +21,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 pytest.importorskip("nvshmem.core")
 
-from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from torchrec import KeyedJaggedTensor, PoolingType  # noqa: E402
-from torchrec import EmbeddingBagCollection  # noqa: E402
-
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
     make_tables,
@@ -34,6 +30,13 @@ from dist_utils import (  # noqa: E402
     run_ranks,
     shard,
 )
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from torchrec import (  # noqa: E402
+    EmbeddingBagCollection,  # noqa: E402
+    KeyedJaggedTensor,
+    PoolingType,
+)
+
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
@@ -91,8 +94,13 @@ def _forward(rank, world_size, owners, row_wise, batch_sizes, pooling, weighted)
 def test_shared_gpu_forward_matches_host_and_reference(world_size, owners, row_wise, batch_sizes, pooling, weighted):
     owners = [o % world_size for o in owners]
     run_ranks(
-        _forward, world_size, owners=owners, row_wise=row_wise, batch_sizes=batch_sizes,
-        pooling=pooling, weighted=weighted,
+        _forward,
+        world_size,
+        owners=owners,
+        row_wise=row_wise,
+        batch_sizes=batch_sizes,
+        pooling=pooling,
+        weighted=weighted,
     )
 
 
@@ -124,9 +132,7 @@ def _train(rank, world_size, owners, row_wise, batch_sizes, optimizer):
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
 def test_shared_gpu_training_matches_host(world_size, optimizer):
     owners = [o % world_size for o in (0, 1, 1, 0)]
-    run_ranks(
-        _train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7], optimizer=optimizer
-    )
+    run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7], optimizer=optimizer)
 
 
 def _bad_batches(rank, world_size, row_wise):
@@ -140,10 +146,14 @@ def _bad_batches(rank, world_size, row_wise):
     n0 = tables[0].num_embeddings
     bad = [
         KeyedJaggedTensor(  # an id past table t0
-            keys=["f0", "f1", "f2"], values=torch.tensor([n0, 0, 0]), lengths=torch.tensor([1, 1, 1]),
+            keys=["f0", "f1", "f2"],
+            values=torch.tensor([n0, 0, 0]),
+            lengths=torch.tensor([1, 1, 1]),
         ),
         KeyedJaggedTensor(  # a negative length
-            keys=["f0", "f1", "f2"], values=torch.tensor([0, 1, 2]), lengths=torch.tensor([-1, 3, 1]),
+            keys=["f0", "f1", "f2"],
+            values=torch.tensor([0, 1, 2]),
+            lengths=torch.tensor([-1, 3, 1]),
         ),
     ]
     for i, kjt_bad in enumerate(bad):

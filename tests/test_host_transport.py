@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_ranks
+
 from torchrec_pgas.transport import Mailbox, PgasTimeoutError
 from torchrec_pgas.transport.host import HostTransport
 

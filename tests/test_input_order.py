@@ -8,8 +8,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-
 from dist_utils import (
     assert_close_to_reference,
     assert_same_kt,
@@ -20,6 +18,8 @@ from dist_utils import (
     torchrec_tw,
     tw_placement,
 )
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.sharding_plan import pgas_row_wise
@@ -73,7 +73,9 @@ def _table_wise_in_batch_order(rank, world_size):
     assert sharded._pgas_direct and sharded._embedding_shardings[0]._exchange._reordered
     # An id valid for t0 but not for t2, which also pools f0: checked against the smaller.
     # Two samples: one id of f2 and one of f0 in the first.
-    bad = KeyedJaggedTensor(keys=order, values=torch.tensor([3, 7 if rank == 1 else 6]), lengths=torch.tensor([1, 0, 1, 0, 0, 0]))
+    bad = KeyedJaggedTensor(
+        keys=order, values=torch.tensor([3, 7 if rank == 1 else 6]), lengths=torch.tensor([1, 0, 1, 0, 0, 0])
+    )
     with pytest.raises(PgasInputError, match="rank 1 sent id 7 for feature 'f0' of table 't2', which has 7 rows"):
         pgas(bad)
     # The first batch's order is the model's: another order is refused on every rank.
@@ -138,14 +140,23 @@ def _orders_differ_across_ranks(rank, world_size, extra):
     ref, pgas = _model(tables, tw_placement(tables, [1, 0, 1], pgas_tw), world_size)
     order = ["f0", "f1", "f2"] if rank == 0 or extra else ["f2", "f1", "f0"]
     keys = order + (["unused"] if extra and rank == 1 else [])
-    kjt = _batch(tables + [EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=5, feature_names=["unused"])], keys, 3, rank)
+    kjt = _batch(
+        tables + [EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=5, feature_names=["unused"])],
+        keys,
+        3,
+        rank,
+    )
     out = pgas(kjt).to_dict()
-    assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt.permute([keys.index(k) for k in order])))
+    assert_close_to_reference(
+        out, reference_pooled(tables, ref.state_dict(), kjt.permute([keys.index(k) for k in order]))
+    )
     assert pgas.module.ebc._pgas_direct is False
     # Rank 1's first id of f0 is out of range for t2, which also pools f0.
     lengths = {k: [1, 0] if k == "f0" else [0, 0] for k in keys}
     bad = KeyedJaggedTensor(
-        keys=keys, values=torch.tensor([7 if rank == 1 else 0]), lengths=torch.tensor([n for k in keys for n in lengths[k]])
+        keys=keys,
+        values=torch.tensor([7 if rank == 1 else 0]),
+        lengths=torch.tensor([n for k in keys for n in lengths[k]]),
     )
     with pytest.raises(PgasInputError, match="rank 1 sent id 7 for feature 'f0' of table 't2', which has 7 rows"):
         pgas(bad)
@@ -189,7 +200,9 @@ def _weights_not_one_per_value(rank, world_size, kinds):
         return KeyedJaggedTensor(keys=order, values=kjt.values(), lengths=kjt.lengths(), weights=weights)
 
     for step in range(2):
-        with pytest.raises(PgasInputError, match=r"rank 1 sent a KJT whose weights and values disagree \(\d+ weights for \d+ values\)"):
+        with pytest.raises(
+            PgasInputError, match=r"rank 1 sent a KJT whose weights and values disagree \(\d+ weights for \d+ values\)"
+        ):
             pgas(batch(step * 10 + rank, torn=rank == 1))
         kjt = batch(99 + step + rank, torn=False)
         rw = [t.name for t, k in zip(tables, kinds) if k == "rw"]
@@ -213,7 +226,9 @@ def _first_batch_invalid_on_one_rank(rank, world_size):
         offsets = torch.zeros(first.lengths().numel() + 1, dtype=torch.int64)
         offsets[-1] = first.values().numel()  # every id in the last bag
         first = KeyedJaggedTensor(keys=order, values=first.values(), lengths=first.lengths(), offsets=offsets)
-    with pytest.raises(PgasInputError, match="rank 1 sent an invalid KJT: offsets is not equal to the cumulative sum of lengths"):
+    with pytest.raises(
+        PgasInputError, match="rank 1 sent an invalid KJT: offsets is not equal to the cumulative sum of lengths"
+    ):
         pgas(first)
     kjt = _batch(tables, order, 3, 7 + rank)
     assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))

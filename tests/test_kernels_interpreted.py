@@ -28,7 +28,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     def test_kernels_run_by_the_interpreter_match_their_oracles():
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=1200,
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=1200,
         )
         assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
 
@@ -49,7 +52,15 @@ else:
 @pytest.fixture(scope="module")
 def k():
     from torchrec_pgas.kernels import (
-        bag_offsets, gather_ids, grads_put, ids_check, ids_header, lookup_put, output_take, row_buckets, rows_put,
+        bag_offsets,
+        gather_ids,
+        grads_put,
+        ids_check,
+        ids_header,
+        lookup_put,
+        output_take,
+        row_buckets,
+        rows_put,
     )
 
     class Kernels:
@@ -69,9 +80,11 @@ def _source_batch(g: torch.Generator, F: int, B: int, rows: torch.Tensor):
     lengths = torch.randint(0, 4, (F * B,), generator=g, dtype=torch.int32)
     lengths[torch.rand(F * B, generator=g) < 0.3] = 0  # empty bags
     per_feature = lengths.view(F, B).sum(1)
-    values = torch.cat(
-        [torch.randint(0, int(rows[f]), (int(per_feature[f]),), generator=g) for f in range(F)]
-    ) if F else torch.zeros(0, dtype=torch.int64)
+    values = (
+        torch.cat([torch.randint(0, int(rows[f]), (int(per_feature[f]),), generator=g) for f in range(F)])
+        if F
+        else torch.zeros(0, dtype=torch.int64)
+    )
     return lengths, values
 
 
@@ -158,7 +171,9 @@ def test_source_slots_match_the_oracle(k, seed, problem):
     if problem == "negative":
         lengths[rnd.randrange(lengths.numel())] = -1
     if problem == "over":
-        layout = IdsSlotLayout(max_features=most, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2))
+        layout = IdsSlotLayout(
+            max_features=most, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2)
+        )
     offsets = _offsets(lengths)
     if problem == "mismatch":
         values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
@@ -172,10 +187,23 @@ def test_source_slots_match_the_oracle(k, seed, problem):
         # Some seeds: int64 lengths, which ids_check narrows into the int32 ones sent.
         wide = seed % 3 == 1
         sent = torch.full_like(lengths, -7) if wide else lengths
-        k.ids_check.ids_check(values, offsets, lengths.long() if wide else lengths, rows, verdict, B, sent if wide else None)
+        k.ids_check.ids_check(
+            values, offsets, lengths.long() if wide else lengths, rows, verdict, B, sent if wide else None
+        )
     k.ids_header.ids_header(
-        verdict, values, offsets, sent, weights, rows, runs, headers, chunks, B,
-        host_problem, layout, 4096,
+        verdict,
+        values,
+        offsets,
+        sent,
+        weights,
+        rows,
+        runs,
+        headers,
+        chunks,
+        B,
+        host_problem,
+        layout,
+        4096,
     )
     expected = _expected(problem, lengths, values, rows, routed, B, layout, weighted)
     assert headers.tolist() == expected
@@ -193,7 +221,9 @@ def test_source_slots_match_the_oracle(k, seed, problem):
         bags = [slice(int(offsets[f * B]), int(offsets[(f + 1) * B])) for f in fs]
         assert torch.equal(layout.ids(slot, n), torch.cat([values[b] for b in bags]) if bags else empty)
         if weighted:
-            assert torch.equal(layout.weights(slot, n), torch.cat([weights[b] for b in bags]) if bags else empty.float())
+            assert torch.equal(
+                layout.weights(slot, n), torch.cat([weights[b] for b in bags]) if bags else empty.float()
+            )
 
 
 def test_feature_runs_cut_each_owner_at_every_gap():
@@ -235,7 +265,9 @@ def test_row_buckets_match_fbgemm_block_bucketize(k, seed):
         assert torch.equal(got[3], want_weights)
     if values.numel():
         values[rnd.randrange(values.numel())] = -rnd.randint(1, 10**12)
-        bucketed_values, bucketed_offsets, bucketed_lengths, _ = k.row_buckets.row_buckets(values, offsets, weights, block, W)
+        bucketed_values, bucketed_offsets, bucketed_lengths, _ = k.row_buckets.row_buckets(
+            values, offsets, weights, block, W
+        )
         assert int(bucketed_lengths.sum()) == values.numel(), "every id goes to one owner"
         assert int(bucketed_offsets[-1]) == values.numel()
         torn = k.row_buckets.row_buckets(values[:-1].clone(), offsets, weights, block, W)
@@ -297,8 +329,19 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
     chunks = torch.zeros(W, 4, 3, dtype=torch.int64)
     k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B)
     k.ids_header.ids_header(
-        verdict, routed_values, routed_offsets, routed_lengths, None, rows,
-        torch.tensor([[[o * F, F]] for o in range(W)]), headers, chunks, B, None, layout, 0,
+        verdict,
+        routed_values,
+        routed_offsets,
+        routed_lengths,
+        None,
+        rows,
+        torch.tensor([[[o * F, F]] for o in range(W)]),
+        headers,
+        chunks,
+        B,
+        None,
+        layout,
+        0,
         checked=(values, offsets),
     )
     # The problem and its detail, as a single owner of the checked batch would report it.
@@ -403,10 +446,17 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
     me = rnd.randrange(4)
     k.rows_put.rows_put(
-        src, headers[:, 1], torch.tensor([o.data_ptr() for o in outs]),
+        src,
+        headers[:, 1],
+        torch.tensor([o.data_ptr() for o in outs]),
         torch.tensor([c.data_ptr() + 8 * me for c in counters]),
-        torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-        cap, pitch, col, 0, 10**9,
+        torch.zeros(S, dtype=torch.int64),
+        torch.zeros(4, dtype=torch.int64),
+        cap,
+        pitch,
+        col,
+        0,
+        10**9,
     )
     for s, b in enumerate(batches):
         assert torch.equal(outs[s][:b, col : col + dim], src[s * cap : s * cap + b]), s
@@ -439,13 +489,23 @@ def test_gradient_columns_land_in_their_owners_slots_divided_and_are_counted(k, 
     slots = [torch.full((2 * per_generation,), -1.0, dtype=dtype) for _ in range(P)]
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(P)]
     dests = torch.tensor(
-        [[o, c, d, slot.data_ptr(), cnt.data_ptr() + 8 * me] for o, c, d, slot, cnt in zip(owners, cols, dims, slots, counters)]
+        [
+            [o, c, d, slot.data_ptr(), cnt.data_ptr() + 8 * me]
+            for o, c, d, slot, cnt in zip(owners, cols, dims, slots, counters)
+        ]
     )
     generation = rnd.randrange(2)
     released = torch.full((4,), 7, dtype=torch.int64)  # every owner released step 7
     k.grads_put.grads_put(
-        grad, dests, released, torch.zeros(4, dtype=torch.int64), cap,
-        generation * per_generation * grad.element_size(), float(torch.tensor(1.0) / world), 7, 10**9,
+        grad,
+        dests,
+        released,
+        torch.zeros(4, dtype=torch.int64),
+        cap,
+        generation * per_generation * grad.element_size(),
+        float(torch.tensor(1.0) / world),
+        7,
+        10**9,
     )
     for p in range(P):
         # torch on CUDA divides by a scalar as a multiplication by its fp32 reciprocal
@@ -493,7 +553,20 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
     done = torch.zeros(1, dtype=torch.int64)
     for _ in range(2):
         k.output_take.output_take(
-            slot, out, counts, owners, out_addrs, ids_addrs, done, err, record, 7, 9, 4, ids_step, 10**9,
+            slot,
+            out,
+            counts,
+            owners,
+            out_addrs,
+            ids_addrs,
+            done,
+            err,
+            record,
+            7,
+            9,
+            4,
+            ids_step,
+            10**9,
         )
         assert int(done) == 0, "the last program leaves done at zero for the next launch"
     expected = slot[0, :batch].clone()
@@ -533,7 +606,11 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     pitch = first_col + sum(dims) + 4 * rnd.randint(0, 2)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
     offsets = k.bag_offsets.bag_offsets(
-        slots, F, layout, torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64), k.bag_offsets.scan_state(F, S, layout, slots.device)
+        slots,
+        F,
+        layout,
+        torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64),
+        k.bag_offsets.scan_state(F, S, layout, slots.device),
     )
     outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
     counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
@@ -541,10 +618,21 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     done = k.lookup_put.done_counters(S, layout, slots.device)
     for _ in range(2):
         k.lookup_put.lookup_put(
-            slots, offsets, features, tables[0], outs[0],
-            torch.tensor([o.data_ptr() for o in outs]), torch.tensor([c.data_ptr() + 8 * me for c in counters]),
-            done, torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-            layout, pitch, weighted, 0, 10**9,
+            slots,
+            offsets,
+            features,
+            tables[0],
+            outs[0],
+            torch.tensor([o.data_ptr() for o in outs]),
+            torch.tensor([c.data_ptr() + 8 * me for c in counters]),
+            done,
+            torch.zeros(S, dtype=torch.int64),
+            torch.zeros(4, dtype=torch.int64),
+            layout,
+            pitch,
+            weighted,
+            0,
+            10**9,
         )
         assert not done.any(), "the last program of each block leaves it at zero for the next launch"
     for s, (lengths, ids, weights, ok) in enumerate(sent):

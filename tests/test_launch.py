@@ -36,7 +36,9 @@ class _CudaLauncher:
     def __init__(self, record):
         self._record = record
 
-    def launch(self, g0, g1, g2, stream, function, coop, pdl, scratch, profile_scratch, packed, metadata, enter, exit, *args):
+    def launch(
+        self, g0, g1, g2, stream, function, coop, pdl, scratch, profile_scratch, packed, metadata, enter, exit, *args
+    ):
         self._record((g0, g1, g2, stream, function, coop, pdl, scratch, profile_scratch, packed) + args)
 
     def __call__(self, g0, g1, g2, stream, function, *args):
@@ -95,7 +97,10 @@ def _kernel(x_ptr, y_ptr, a, n, opt, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0
 
 CALLS = [
     ((_Pointer(1024), _Pointer(2048), 1, 5, None), dict(BLOCK=64, num_warps=2)),
-    ((_Pointer(1024), _Pointer(2048), 17, 1, _Pointer(16, torch.int64)), dict(BLOCK=64, FLAG=3, extern_libs={"lib": "/x.bc"})),
+    (
+        (_Pointer(1024), _Pointer(2048), 17, 1, _Pointer(16, torch.int64)),
+        dict(BLOCK=64, FLAG=3, extern_libs={"lib": "/x.bc"}),
+    ),
     ((_Pointer(1032), _Pointer(2048), 16, 2**40, 2.5), dict(BLOCK=32)),  # x not 16-byte aligned
     ((_Pointer(1024), _Pointer(2048), 1, 5, None), dict(BLOCK=64, num_warps=4)),
 ]
@@ -157,7 +162,13 @@ def test_launches_keyed_without_the_binder_are_triton_launches(launches):
         variants.append(expected[0])
         cache, keys, target, backend, binder = _typed_kernel.device_caches[0]
         binds = []
-        _typed_kernel.device_caches[0] = (cache, keys, target, backend, lambda *a, **k: binds.append(1) or binder(*a, **k))
+        _typed_kernel.device_caches[0] = (
+            cache,
+            keys,
+            target,
+            backend,
+            lambda *a, **k: binds.append(1) or binder(*a, **k),
+        )
         counts = []
         for _ in range(4):
             launcher[(3, 2)](*args, **kwargs)
@@ -212,8 +223,21 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
     layout = IdsSlotLayout(max_features=8, batch_capacity=4 * 131072, ids_capacity=1)
     t = torch.zeros(8, dtype=torch.int64)
     lookup_put.lookup_put(
-        t, t, torch.zeros(8, 4, dtype=torch.int64), torch.zeros(1), torch.zeros(1), t[:8], t, t, t, t,
-        layout, 1024, False, 0, 10**9,
+        t,
+        t,
+        torch.zeros(8, 4, dtype=torch.int64),
+        torch.zeros(1),
+        torch.zeros(1),
+        t[:8],
+        t,
+        t,
+        t,
+        t,
+        layout,
+        1024,
+        False,
+        0,
+        10**9,
     )
     (grid,) = grids
     assert grid[0] * lookup_put.BLOCK_B >= layout.batch_capacity

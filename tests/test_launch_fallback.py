@@ -83,7 +83,10 @@ def test_kernel_tests_pass_through_the_generic_launch(file, interpret, min_launc
         env["TRITON_INTERPRET"] = interpret
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, os.path.join(TESTS, file)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     report = done.stdout[-8000:] + done.stderr[-3000:]
     assert done.returncode == 0, report

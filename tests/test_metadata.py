@@ -89,7 +89,10 @@ def test_the_makefile_installs_the_pins_of_pyproject(which, gpus):
     assert "==" not in makefile, "the Makefile pins nothing itself: the pins live in pyproject.toml"
     steps = subprocess.run(
         ["make", "-s", "-n", "-B", "install", f"GPUS={gpus}", f"PY={sys.executable}"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert f'-e ".[{which},' in steps, steps
     # The no-deps step reads the pins from pyproject.toml and installs exactly them.
@@ -149,7 +152,9 @@ def test_register_names_a_wrong_pair(monkeypatch, versions, message):
 def test_known_pairs_pass_and_newer_ones_warn(monkeypatch, recwarn):
     for (fb_major, fb_minor), (t_major, t_minor) in compat.FBGEMM_TORCH.items():
         _fake_versions(
-            monkeypatch, torch=f"{t_major}.{t_minor}.1+cu130", fbgemm_gpu=f"{fb_major}.{fb_minor}.0",
+            monkeypatch,
+            torch=f"{t_major}.{t_minor}.1+cu130",
+            fbgemm_gpu=f"{fb_major}.{fb_minor}.0",
             torchrec=f"{fb_major}.{fb_minor}.2",
         )
         compat.check_versions()
@@ -171,13 +176,27 @@ def test_a_resolver_installs_exactly_the_pins(which, tmp_path):
     apart = {_name(r) for r in _pyproject()["tool"]["torchrec-pgas"].get(f"{which}-no-deps", [])}
     report = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--report", str(report),
-         f".[{which}]"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(report),
+            f".[{which}]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resolved = {
-        _name(item["metadata"]["name"]): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]
+        _name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
     }
     for name, version in _pins(which).items():
         if name not in apart:

@@ -7,10 +7,10 @@ import functools
 
 import pytest
 import torch
+from dist_utils import assert_close_to_reference, pgas_tw, reference_pooled, run_ranks, shard, torchrec_tw
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.sharding_plan import row_wise
 
-from dist_utils import assert_close_to_reference, pgas_tw, reference_pooled, run_ranks, shard, torchrec_tw
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.sharding_plan import pgas_row_wise
@@ -32,7 +32,9 @@ MIXES = {
 
 def _tables(pooling=PoolingType.SUM):
     return [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4 * (i + 1), num_embeddings=n, feature_names=[f"f{i}"], pooling=pooling)
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=4 * (i + 1), num_embeddings=n, feature_names=[f"f{i}"], pooling=pooling
+        )
         for i, n in enumerate([11, 23, 7])
     ]
 
@@ -53,7 +55,10 @@ def _good(tables, batch_size, seed, keys=("f0", "f1", "f2"), weighted=False):
     values = [torch.randint(0, rows[k], (int(n.sum()),), generator=g) for k, n in zip(keys, lengths)]
     v = torch.cat(values)
     return KeyedJaggedTensor(
-        keys=list(keys), values=v, lengths=torch.cat(lengths), weights=torch.rand(v.numel(), generator=g) if weighted else None
+        keys=list(keys),
+        values=v,
+        lengths=torch.cat(lengths),
+        weights=torch.rand(v.numel(), generator=g) if weighted else None,
     )
 
 
@@ -68,11 +73,15 @@ def _check(model, tables, ref, kjt, mix):
 BAD = {
     # The example: lengths that add up, one of them negative.
     "negative length": (
-        lambda: KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(1, 7), lengths=torch.tensor([-100000, 100002, 1, 1, 1, 1])),
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.arange(1, 7), lengths=torch.tensor([-100000, 100002, 1, 1, 1, 1])
+        ),
         r"rank 1 .*(negative|lengths and values disagree)",
     ),
     "negative length -1": (
-        lambda: KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(1, 7), lengths=torch.tensor([-1, 3, 1, 1, 1, 1])),
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.arange(1, 7), lengths=torch.tensor([-1, 3, 1, 1, 1, 1])
+        ),
         r"rank 1 .*(negative|lengths and values disagree)",
     ),
     "missing key": (
@@ -80,15 +89,21 @@ BAD = {
         r"rank 1 .*(lack the model's \['f2'\]|features are not the model's|not those of the first batch|lengths and values disagree)",
     ),
     "duplicate key": (
-        lambda: KeyedJaggedTensor(keys=["f0", "f1", "f1"], values=torch.arange(1, 7), lengths=torch.tensor([1, 1, 1, 1, 1, 1])),
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f1"], values=torch.arange(1, 7), lengths=torch.tensor([1, 1, 1, 1, 1, 1])
+        ),
         r"rank 1 .*(name a feature twice|features are not the model's)",
     ),
     "2-D values": (
-        lambda: KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(1, 7).view(6, 1), lengths=torch.tensor([1, 1, 1, 1, 1, 1])),
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.arange(1, 7).view(6, 1), lengths=torch.tensor([1, 1, 1, 1, 1, 1])
+        ),
         r"rank 1 .*(2-D|not 1-D|2 dimensions)",
     ),
     "float ids": (
-        lambda: KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(1, 7).float(), lengths=torch.tensor([1, 1, 1, 1, 1, 1])),
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.arange(1, 7).float(), lengths=torch.tensor([1, 1, 1, 1, 1, 1])
+        ),
         r"rank 1 .*(not integers)",
     ),
 }
@@ -136,7 +151,9 @@ def _send_fails_on_rank_1(rank, world_size, mix):
             return original(self, *args)
 
         TwExchange._check = failing
-    with pytest.raises(PgasInputError, match=r"rank 1 could not send its batch: RuntimeError: injected failure") as info:
+    with pytest.raises(
+        PgasInputError, match=r"rank 1 could not send its batch: RuntimeError: injected failure"
+    ) as info:
         model(_good(tables, 4, seed=5 + rank))
     if rank == 1:
         assert isinstance(info.value.__cause__, RuntimeError)
@@ -158,10 +175,16 @@ def _weights_of_dtype(rank, world_size, mix, dtype, pooling):
     keys = ("f2", "f0", "f1")  # not the sharding's order: the direct path permutes
     for step in range(2):
         kjt = _good(tables, 3 + rank + step, seed=30 + 2 * step + rank, keys=keys, weighted=True)
-        kjt = KeyedJaggedTensor(keys=list(keys), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().to(dtype))
-        as_float = KeyedJaggedTensor(keys=list(keys), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().float())
+        kjt = KeyedJaggedTensor(
+            keys=list(keys), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().to(dtype)
+        )
+        as_float = KeyedJaggedTensor(
+            keys=list(keys), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().float()
+        )
         rw = ["t0", "t1", "t2"] if mix == "pgas_rw alone" else (["t1"] if "rw" in mix else [])
-        assert_close_to_reference(model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), as_float, row_wise=rw))
+        assert_close_to_reference(
+            model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), as_float, row_wise=rw)
+        )
 
 
 @pytest.mark.parametrize(

@@ -4,17 +4,23 @@ import importlib
 import importlib.metadata
 import logging
 import sys
-import tomllib
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import pytest
+import tomllib
 import torch
 import torch.distributed as dist
 from torchrec.distributed import model_parallel, sharding_plan
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology, enumerators
-from torchrec.distributed.planner import planners, shard_estimators, stats
+from torchrec.distributed.planner import (
+    EmbeddingShardingPlanner,
+    Topology,
+    enumerators,
+    planners,
+    shard_estimators,
+    stats,
+)
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator import estimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption
@@ -60,9 +66,7 @@ def _unregistered() -> Iterator[None]:
 
 def _ebc(dims: Dict[str, int]) -> EmbeddingBagCollection:
     tables = [
-        EmbeddingBagConfig(
-            name=name, embedding_dim=dim, num_embeddings=1000, feature_names=[f"f_{name}"]
-        )
+        EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=1000, feature_names=[f"f_{name}"])
         for name, dim in dims.items()
     ]
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
@@ -86,9 +90,7 @@ def _types(
     return {name: ps.sharding_type for name, ps in plan.plan[""].items()}
 
 
-def _enumerate(
-    ebc: EmbeddingBagCollection, world_size: int = 2, is_inference: bool = False
-) -> List[ShardingOption]:
+def _enumerate(ebc: EmbeddingBagCollection, world_size: int = 2, is_inference: bool = False) -> List[ShardingOption]:
     topology = _topology(world_size)
     estimators = [
         shard_estimators.EmbeddingPerfEstimator(topology, is_inference=is_inference),
@@ -100,9 +102,7 @@ def _enumerate(
 
 
 def _option(options: List[ShardingOption], sharding_type: str) -> ShardingOption:
-    return next(
-        o for o in options if o.sharding_type == sharding_type and o.compute_kernel == "fused"
-    )
+    return next(o for o in options if o.sharding_type == sharding_type and o.compute_kernel == "fused")
 
 
 def _ebc_sharder(sharders: list) -> object:
@@ -213,9 +213,7 @@ def test_collective_plan_without_sharders_uses_pgas_sharder() -> None:
     torchrec_pgas.register()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        planner = EmbeddingShardingPlanner(
-            topology=_topology(), constraints=_constraints(a=[PGAS_TABLE_WISE])
-        )
+        planner = EmbeddingShardingPlanner(topology=_topology(), constraints=_constraints(a=[PGAS_TABLE_WISE]))
         plan = planner.collective_plan(_ebc({"a": 64}))
     finally:
         dist.destroy_process_group()
@@ -266,9 +264,7 @@ def test_pgas_sharders_replace_only_the_ebc_sharder() -> None:
 
 
 @pytest.mark.parametrize("version", ["1.5.2", "1.10.0", "2.0.0", "nightly"])
-def test_unsupported_torchrec_version_is_refused(
-    monkeypatch: pytest.MonkeyPatch, version: str
-) -> None:
+def test_unsupported_torchrec_version_is_refused(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(registration, "_installed_torchrec_version", lambda: version)
     with pytest.raises(RuntimeError, match=rf"torchrec >=1\.6,<1\.10; found torchrec {version}"):
         torchrec_pgas.register()
@@ -309,4 +305,3 @@ def test_pgas_row_wise_is_laid_out_like_row_wise():
 
     assert torchrec_layout("pgas_row_wise") == "row_wise"
     assert PGAS_LAYOUTS["pgas_row_wise"].abbreviation == "PRW"
-

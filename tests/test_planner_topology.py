@@ -64,9 +64,7 @@ def _shard_perfs(
         tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"])],
         device=torch.device("meta"),
     )
-    constraints = {
-        "t": ParameterConstraints(sharding_types=[sharding_type], pooling_factors=[POOLING])
-    }
+    constraints = {"t": ParameterConstraints(sharding_types=[sharding_type], pooling_factors=[POOLING])}
     topology = _topology(world_size, local_world_size, inter_host_bw)
     estimators = [
         shard_estimators.EmbeddingPerfEstimator(topology, constraints=constraints),
@@ -95,9 +93,7 @@ def _put_oracle(all_intra_ms: float, all_inter_ms: float, world_size: int, local
     for owner in range(world_size):
         same = [p for p in range(world_size) if p // local == owner // local]
         other = [p for p in range(world_size) if p // local != owner // local]
-        per_owner.append(
-            max(len(same) * all_intra_ms / world_size, len(other) * all_inter_ms / world_size)
-        )
+        per_owner.append(max(len(same) * all_intra_ms / world_size, len(other) * all_inter_ms / world_size))
     return mean(per_owner)
 
 
@@ -121,11 +117,9 @@ def test_pgas_comms_are_priced_per_peer_by_host(
     (flat, cross) = _torchrec_flat_and_cross(world_size, local, torchrec_type, inter_host_bw)
     sig = _signals_ms(world_size)
     ids_and_lengths = (POOLING + 1) / POOLING
-    for (p, f, c) in zip(pgas, flat, cross, strict=True):
+    for p, f, c in zip(pgas, flat, cross, strict=True):
         assert p.fwd_compute == c.fwd_compute and p.bwd_compute == c.bwd_compute
-        ids = _put_oracle(
-            f.input_dist_comms * ids_and_lengths, c.input_dist_comms * ids_and_lengths, world_size, local
-        )
+        ids = _put_oracle(f.input_dist_comms * ids_and_lengths, c.input_dist_comms * ids_and_lengths, world_size, local)
         assert p.input_dist_comms == pytest.approx(ids + sig, rel=1e-9), TABLE
         # TorchRec row-wise adds a batched copy to its backward all-gather; its forward
         # reduce-scatter moves the same bytes (fp32 both ways by default), so it prices both.
@@ -150,7 +144,7 @@ def test_halving_inter_host_bandwidth_doubles_the_cross_host_puts_only(
         # With the defaults the off-host share (1/48 of the bandwidth for at least as
         # many bytes) is what the owner waits for, so the puts take twice as long.
         assert h.input_dist_comms - sig == pytest.approx(2 * (b.input_dist_comms - sig), rel=1e-9)
-        for (comms_b, comms_h, compute) in (
+        for comms_b, comms_h, compute in (
             (b.fwd_comms, h.fwd_comms, b.fwd_compute),
             (b.bwd_comms, h.bwd_comms, b.bwd_compute),
         ):
@@ -160,18 +154,14 @@ def test_halving_inter_host_bandwidth_doubles_the_cross_host_puts_only(
 
 
 @pytest.mark.parametrize("pgas_type,torchrec_type", PGAS_AND_TORCHREC)
-def test_two_hosts_cost_more_than_one_by_the_inter_host_share(
-    pgas_type: str, torchrec_type: str
-) -> None:
+def test_two_hosts_cost_more_than_one_by_the_inter_host_share(pgas_type: str, torchrec_type: str) -> None:
     # Same per-GPU batch: each rank's share of a shard's traffic is the same bytes on
     # 1 x 8 and 2 x 8; on 2 x 8 the 8 off-host shares ride the inter-host links.
     one = _shard_perfs(LOCAL, LOCAL, pgas_type)[0]
     two = _shard_perfs(2 * LOCAL, LOCAL, pgas_type)[0]
     one_host_ids = one.input_dist_comms - _signals_ms(LOCAL)
     off_host_ids = one_host_ids * INTRA_NODE_BANDWIDTH / CROSS_NODE_BANDWIDTH
-    assert two.input_dist_comms - _signals_ms(2 * LOCAL) == pytest.approx(
-        max(one_host_ids, off_host_ids), rel=1e-9
-    )
+    assert two.input_dist_comms - _signals_ms(2 * LOCAL) == pytest.approx(max(one_host_ids, off_host_ids), rel=1e-9)
     assert two.input_dist_comms > one.input_dist_comms
     # TorchRec's 1 x 8 forward comms are the 8 shares at intra-host bandwidth.
     one_host_pooled = _shard_perfs(LOCAL, LOCAL, torchrec_type)[0].fwd_comms
@@ -192,9 +182,7 @@ def _sign(x: float) -> int:
 
 
 @pytest.mark.parametrize("pgas_type,torchrec_type", PGAS_AND_TORCHREC)
-def test_pgas_and_torchrec_estimates_move_the_same_way_with_topology(
-    pgas_type: str, torchrec_type: str
-) -> None:
+def test_pgas_and_torchrec_estimates_move_the_same_way_with_topology(pgas_type: str, torchrec_type: str) -> None:
     # (world size, local world size, inter-host bandwidth), each step one change.
     steps: List[Tuple[int, int, float]] = [
         (LOCAL, LOCAL, CROSS_NODE_BANDWIDTH),
@@ -205,8 +193,7 @@ def test_pgas_and_torchrec_estimates_move_the_same_way_with_topology(
         (4 * LOCAL, LOCAL, CROSS_NODE_BANDWIDTH / 2),
     ]
     comms: Dict[str, List[float]] = {
-        t: [_comms(_shard_perfs(w, l, t, bw)[0]) for (w, l, bw) in steps]
-        for t in (pgas_type, torchrec_type)
+        t: [_comms(_shard_perfs(w, l, t, bw)[0]) for (w, l, bw) in steps] for t in (pgas_type, torchrec_type)
     }
     moves = {t: [_sign(b - a) for a, b in zip(c, c[1:])] for t, c in comms.items()}
     assert moves[pgas_type] == moves[torchrec_type] == [0, 1, -1, 1, 1], comms

@@ -78,7 +78,8 @@ def test_check_compares_rows_it_was_not_fitted_on():
     links, pairs = Links(), fit_results(results, Links())
     held_out = [r for r in check(results, pairs, links) if not r["fitted"]]
     assert [(r["row"], r["side"], r["gpus"]) for r in held_out] == [
-        ("weak: 1 rank", "baseline", 1), ("weak: 1 rank", "ours", 1)
+        ("weak: 1 rank", "baseline", 1),
+        ("weak: 1 rank", "ours", 1),
     ]
     ours = held_out[1]
     # One GPU: nothing crosses, so the model is the fixed time plus the lookup alone.

@@ -14,10 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-
 from dist_utils import (
     assert_close_to_reference,
     pgas_tw,
@@ -27,6 +23,10 @@ from dist_utils import (
     torchrec_tw,
     tw_placement,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.sharding_plan import pgas_row_wise
@@ -84,7 +84,10 @@ def _run_case(rank, case):
     specs = case["tables"]
     tables = [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=t["features"],
+            name=f"t{i}",
+            embedding_dim=t["dim"],
+            num_embeddings=t["rows"],
+            feature_names=t["features"],
             pooling=PoolingType.MEAN if t["mean"] else PoolingType.SUM,
         )
         for i, t in enumerate(specs)
@@ -134,8 +137,7 @@ class _RankPool:
         self.inboxes = [ctx.Queue() for _ in range(WORLD)]
         self.outbox = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_serve, args=(r, port, self.inboxes[r], self.outbox), daemon=True)
-            for r in range(WORLD)
+            ctx.Process(target=_serve, args=(r, port, self.inboxes[r], self.outbox), daemon=True) for r in range(WORLD)
         ]
         for p in self.procs:
             p.start()
@@ -179,7 +181,15 @@ def test_random_batches_match_the_float64_oracle(pool, case):
 # ------------------------------------------- malformed batches, mixed sharding types
 
 #: What a malformed batch can be; each is refused on every rank.
-MALFORMED = ["negative length", "float ids", "2-D values", "missing key", "duplicate key", "weights not one per id", "int weights"]
+MALFORMED = [
+    "negative length",
+    "float ids",
+    "2-D values",
+    "missing key",
+    "duplicate key",
+    "weights not one per id",
+    "int weights",
+]
 
 
 @st.composite
@@ -189,15 +199,22 @@ def bad_cases(draw):
     others good), then a good one per rank."""
     n = draw(st.integers(2, 4))
     tables = [
-        dict(rows=draw(st.integers(WORLD, 30)), dim=4 * draw(st.integers(1, 3)), owner=draw(st.integers(0, WORLD - 1)),
-             kind=draw(st.sampled_from(["pgas_tw", "pgas_rw", "table_wise"])))
+        dict(
+            rows=draw(st.integers(WORLD, 30)),
+            dim=4 * draw(st.integers(1, 3)),
+            owner=draw(st.integers(0, WORLD - 1)),
+            kind=draw(st.sampled_from(["pgas_tw", "pgas_rw", "table_wise"])),
+        )
         for _ in range(n)
     ]
     if all(t["kind"] == "table_wise" for t in tables):
         tables[0]["kind"] = "pgas_tw"
     return dict(
-        tables=tables, bad=draw(st.sampled_from(MALFORMED)), bad_rank=draw(st.integers(0, WORLD - 1)),
-        weighted=draw(st.booleans()), batch_sizes=[draw(st.integers(1, 5)) for _ in range(3 * WORLD)],
+        tables=tables,
+        bad=draw(st.sampled_from(MALFORMED)),
+        bad_rank=draw(st.integers(0, WORLD - 1)),
+        weighted=draw(st.booleans()),
+        batch_sizes=[draw(st.integers(1, 5)) for _ in range(3 * WORLD)],
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -216,8 +233,8 @@ def _malformed(kjt, what):
     elif what == "missing key":
         b = kjt.stride()
         n = int(lengths[b:].sum())
-        keys, values, lengths = keys[1:], values[values.numel() - n:], lengths[b:]
-        w = w[w.numel() - n:] if w is not None else None
+        keys, values, lengths = keys[1:], values[values.numel() - n :], lengths[b:]
+        w = w[w.numel() - n :] if w is not None else None
     elif what == "duplicate key":
         keys = keys[:-1] + keys[:1]
     elif what == "weights not one per id":
@@ -247,7 +264,9 @@ def _run_bad_case(rank, case):
     sizes = case["batch_sizes"]
 
     def good(step):
-        return random_kjt(tables, sizes[step * WORLD + rank], seed=case["seed"] + 7 * step + rank, weighted=case["weighted"])
+        return random_kjt(
+            tables, sizes[step * WORLD + rank], seed=case["seed"] + 7 * step + rank, weighted=case["weighted"]
+        )
 
     def check(kjt):
         assert_close_to_reference(model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt, row_wise))
@@ -312,12 +331,17 @@ def _unknown_feature(rank, world_size, owners):
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     model = shard(ref, tw_placement(tables, owners, pgas_tw), world_size, PgasEmbeddingBagCollectionSharder())
     keys = [f"f{i}" for i in range(len(owners))]
-    good = KeyedJaggedTensor(keys=keys, values=torch.arange(2 * len(keys)) % 10, lengths=torch.full((2 * len(keys),), 1))
+    good = KeyedJaggedTensor(
+        keys=keys, values=torch.arange(2 * len(keys)) % 10, lengths=torch.full((2 * len(keys),), 1)
+    )
     model(good).to_dict()
     # Rank 1 renames its last feature: the plan does not know it.
     odd = keys[:-1] + ["f_unknown"] if rank == 1 else keys
     bad = KeyedJaggedTensor(keys=odd, values=good.values(), lengths=good.lengths())
-    with pytest.raises(PgasInputError, match=r"rank 1 sent a KJT whose features are not the model's \(they differ where the plan has 'f\d'; 3 features sent, 3 expected"):
+    with pytest.raises(
+        PgasInputError,
+        match=r"rank 1 sent a KJT whose features are not the model's \(they differ where the plan has 'f\d'; 3 features sent, 3 expected",
+    ):
         model(bad)
     assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
 
@@ -329,8 +353,7 @@ def test_a_feature_the_plan_does_not_know_raises_on_every_rank(owners):
 
 def _variable_batch(rank, world_size):
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
-        for i in range(2)
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)
     ]
     torch.manual_seed(0)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
@@ -338,7 +361,9 @@ def _variable_batch(rank, world_size):
     good = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
     model(good).to_dict()
     vbe = KeyedJaggedTensor(
-        keys=["f0", "f1"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+        keys=["f0", "f1"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 1]),
         stride_per_key_per_rank=[[1], [2]],
     )
     with pytest.raises(PgasInputError, match="rank 1 sent a KJT with a variable batch size per feature"):
@@ -358,7 +383,9 @@ def _dead_rank(rank, world_size, when):
 
     from torchrec_pgas.sharding.tw_exchange import TwExchange
 
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)
+    ]
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     sharder = PgasEmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1},
@@ -401,7 +428,9 @@ def _mapped_segments() -> int:
 
 
 def _churn(rank, world_size):
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20, feature_names=[f"f{i}"]) for i in range(2)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20, feature_names=[f"f{i}"]) for i in range(2)
+    ]
     kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
     counts = []
     for _ in range(8):
@@ -422,9 +451,9 @@ def test_models_that_come_and_go_leak_no_mappings():
 
 
 def _long_run(rank, world_size, steps, check_every):
+    from dist_utils import make_tables, random_kjt
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    from dist_utils import make_tables, random_kjt
     from torchrec_pgas.testing import gather_unsharded_state_dict
 
     tables = make_tables(4, seed=21)
@@ -536,7 +565,10 @@ def _nvshmem_over_a_subgroup(rank, world_size):
     assert get_transport(every, torch.device("cuda", 0), options) is not None
     first = dist.new_group([0])
     if rank == 0:
-        with pytest.raises(PgasTransportUnavailableError, match=r"rank 0: the NVSHMEM transport spans every process of the job \(2\), not a group of 1"):
+        with pytest.raises(
+            PgasTransportUnavailableError,
+            match=r"rank 0: the NVSHMEM transport spans every process of the job \(2\), not a group of 1",
+        ):
             get_transport(first, torch.device("cuda", 0), options)
 
 

@@ -6,11 +6,11 @@ import functools
 
 import pytest
 import torch
+from dist_utils import assert_close_to_reference, make_tables, random_kjt, reference_pooled, run_ranks, shard
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagCollection, PoolingType
 from torchrec.distributed.sharding_plan import row_wise
 
-from dist_utils import assert_close_to_reference, make_tables, random_kjt, reference_pooled, run_ranks, shard
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding_plan import pgas_row_wise
 from torchrec_pgas.testing import gather_unsharded_state_dict
@@ -110,7 +110,9 @@ def _mixed_row_wise_kinds(rank, world_size):
     tables = make_tables(2, seed=6, pooling=PoolingType.MEAN)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     placement = {"t0": pgas_row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
-    with pytest.raises(ValueError, match=r"pgas_row_wise tables \['t0'\] and TorchRec row_wise / table_row_wise features \['f1'\]"):
+    with pytest.raises(
+        ValueError, match=r"pgas_row_wise tables \['t0'\] and TorchRec row_wise / table_row_wise features \['f1'\]"
+    ):
         shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
 
 
@@ -140,7 +142,12 @@ def _checkpoint(rank, world_size, path):
     # and back: TorchRec's row_wise checkpoint into a fresh pgas_row_wise model
     dcp.save(rw.state_dict(), checkpoint_id=f"{path}/rw")
     torch.manual_seed(6)
-    fresh = shard(EmbeddingBagCollection(tables=tables, device=torch.device("cpu")), _placement(tables, pgas_row_wise), world_size, sharder)
+    fresh = shard(
+        EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+        _placement(tables, pgas_row_wise),
+        world_size,
+        sharder,
+    )
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=f"{path}/rw")
     fresh.load_state_dict(state)
@@ -156,11 +163,11 @@ def _mixed_plan(rank, world_size):
     """One model mixing pgas_row_wise, pgas_table_wise and TorchRec's table_wise, placed
     by the stock planner from constraints, run by DMP without sharders."""
     import torch.distributed as dist
+    from dist_utils import Wrapper
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     import torchrec_pgas
-    from dist_utils import Wrapper
     from torchrec_pgas.testing import load_unsharded_state_dict
 
     torchrec_pgas.register()

@@ -4,9 +4,9 @@ hooks see of the lookup is TorchRec's own types."""
 
 import pytest
 import torch
+from dist_utils import assert_same_kt, make_tables, pgas_tw, random_kjt, run_ranks, shard, torchrec_tw, tw_placement
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
 
-from dist_utils import assert_same_kt, make_tables, pgas_tw, random_kjt, run_ranks, shard, torchrec_tw, tw_placement
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup

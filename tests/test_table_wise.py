@@ -7,12 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torch import nn
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
-from torchrec.distributed.types import LazyAwaitable
-
 from dist_utils import (
     assert_close_to_reference,
     assert_same_kt,
@@ -25,11 +19,16 @@ from dist_utils import (
     torchrec_tw,
     tw_placement,
 )
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
+from torchrec.distributed.types import LazyAwaitable
+
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
 from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict
 from torchrec_pgas.types import PgasOptions
-
 
 
 def _models(world_size, tables, owners, weighted, seed, fused_params=None, options=None):
@@ -224,11 +223,11 @@ def test_bad_input_raises_on_every_rank_and_next_batch_is_served():
 
 
 def _planner(rank, world_size):
-    import torchrec_pgas
+    from dist_utils import Wrapper
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
-    from dist_utils import Wrapper
+    import torchrec_pgas
 
     torchrec_pgas.register()
     try:
@@ -307,7 +306,9 @@ def _pipeline_then_direct(rank, world_size):
     tables = make_tables(3, seed=9)
     torch.manual_seed(9)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    sharder = PgasEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    sharder = PgasEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    )
     model = shard(ref, tw_placement(tables, [1, 0, 1], pgas_tw), world_size, sharder, wrapper=_TrainStep)
 
     def endless():

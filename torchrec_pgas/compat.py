@@ -38,7 +38,9 @@ def _name(r: Release) -> str:
     return f"{r[0]}.{r[1]}"
 
 
-def pair_problem(torch: str, fbgemm: str, torchrec: Optional[str] = None, fbgemm_name: str = "fbgemm-gpu") -> Optional[str]:
+def pair_problem(
+    torch: str, fbgemm: str, torchrec: Optional[str] = None, fbgemm_name: str = "fbgemm-gpu"
+) -> Optional[str]:
     """Why the given versions do not work together, or ``None`` if they are a known pair.
 
     Raises:

@@ -81,10 +81,14 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         in one module with mean pooling on either side, some columns would be divided
         twice or wrongly. Refused on every rank, naming the tables."""
         torchrec_rs = {f for features in self._pooling_type_to_rs_features.values() for f in features}
-        ours = [c for c in self._embedding_bag_configs if self.module_sharding_plan[c.name].sharding_type == PGAS_ROW_WISE]
+        ours = [
+            c for c in self._embedding_bag_configs if self.module_sharding_plan[c.name].sharding_type == PGAS_ROW_WISE
+        ]
         if not ours or not torchrec_rs:
             return
-        if PoolingType.MEAN.value in self._pooling_type_to_rs_features or any(c.pooling == PoolingType.MEAN for c in ours):
+        if PoolingType.MEAN.value in self._pooling_type_to_rs_features or any(
+            c.pooling == PoolingType.MEAN for c in ours
+        ):
             raise ValueError(
                 f"{PGAS_ROW_WISE} tables {[c.name for c in ours]} and TorchRec row_wise / "
                 f"table_row_wise features {sorted(torchrec_rs)} in one module, with mean pooling on "
@@ -128,9 +132,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             and not self._lookups[0].reshards()
         )
 
-    def input_dist(
-        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[Any]]:
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[Any]]:
         """TorchRec's input dist, after a check of the batch on the host: a problem
         found on one rank becomes the same ``PgasInputError`` on every rank, for this
         step, before TorchRec's code touches the batch (its permute would read out of
@@ -157,7 +159,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for sharding in pgas:
                 sharding.report_input_problem(*(report or (Status.FAILED, (f"its {problem}",))))
             try:
-                return super().input_dist(ctx, empty_batch(self._batch_keys or self._sharding_feature_names(), features.device()))
+                return super().input_dist(
+                    ctx, empty_batch(self._batch_keys or self._sharding_feature_names(), features.device())
+                )
             finally:
                 # Each send took its report; one that failed before sending must not pass
                 # the report on to the next batch.
@@ -187,7 +191,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """Raises the same ``PgasInputError`` on every rank if any rank has a problem;
         one all_reduce of one number, and a gather of the messages if any."""
         pg = self._env.process_group
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        )
         flag = torch.tensor([int(problem is not None)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
         if not int(flag.item()):
@@ -264,15 +270,11 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if sharding_type == PGAS_TABLE_WISE:
             from torchrec_pgas.sharding.table_wise import PgasTwPooledEmbeddingSharding
 
-            return PgasTwPooledEmbeddingSharding(
-                sharding_infos, env, device, options=self._pgas_options
-            )
+            return PgasTwPooledEmbeddingSharding(sharding_infos, env, device, options=self._pgas_options)
         if sharding_type == PGAS_ROW_WISE:
             from torchrec_pgas.sharding.row_wise import PgasRwPooledEmbeddingSharding
 
-            return PgasRwPooledEmbeddingSharding(
-                sharding_infos, env, device, options=self._pgas_options
-            )
+            return PgasRwPooledEmbeddingSharding(sharding_infos, env, device, options=self._pgas_options)
         return super().create_embedding_bag_sharding(
             sharding_infos,
             env,

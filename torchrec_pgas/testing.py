@@ -14,9 +14,7 @@ def _shards(value):
     return value.local_shards() if hasattr(value, "local_shards") else None
 
 
-def load_unsharded_state_dict(
-    sharded: nn.Module, full: Dict[str, torch.Tensor], prefix: str = ""
-) -> None:
+def load_unsharded_state_dict(sharded: nn.Module, full: Dict[str, torch.Tensor], prefix: str = "") -> None:
     """Copies the unsharded tensors ``full`` into the local shards of ``sharded``.
 
     ``sharded.state_dict()`` keys are ``prefix`` + the keys of ``full``; keys that do

@@ -12,18 +12,21 @@ import math
 from typing import Iterator, List
 
 import torch
+from model import DENSE_FEATURES
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.random import RandomRecDataset
 from torchrec.datasets.utils import Batch
-
-from model import DENSE_FEATURES
 
 
 def random_batches(keys: List[str], batch_size: int, rows: int, seed: int) -> Iterator[Batch]:
     return iter(
         RandomRecDataset(
-            keys=keys, batch_size=batch_size, hash_size=rows, ids_per_feature=4,
-            num_dense=DENSE_FEATURES, manual_seed=seed,
+            keys=keys,
+            batch_size=batch_size,
+            hash_size=rows,
+            ids_per_feature=4,
+            num_dense=DENSE_FEATURES,
+            manual_seed=seed,
         )
     )
 

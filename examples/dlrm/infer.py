@@ -17,12 +17,11 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from data import random_batches
+from model import SHARDINGS, add_model_args, feature_names, shard
 from tqdm import tqdm
 
 from torchrec_pgas.process import finish, start_rank
-
-from data import random_batches
-from model import SHARDINGS, add_model_args, feature_names, shard
 
 
 def parse() -> argparse.Namespace:
@@ -49,7 +48,12 @@ def main() -> None:
             raise SystemExit(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
     device = start_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
-    requests = [b.to(device) for b in itertools.islice(random_batches(feature_names(args), args.batch_size, args.rows, 77 + rank), args.batches)]
+    requests = [
+        b.to(device)
+        for b in itertools.islice(
+            random_batches(feature_names(args), args.batch_size, args.rows, 77 + rank), args.batches
+        )
+    ]
 
     latencies: Dict[str, List[float]] = {}
     predictions: Dict[str, List[torch.Tensor]] = {}
@@ -61,7 +65,9 @@ def main() -> None:
         model.eval()
         times, preds = [], []
         with torch.no_grad():
-            for i, batch in enumerate(tqdm([*requests[: args.warmup], *requests], desc=f"serve {sharding}", disable=rank != 0)):
+            for i, batch in enumerate(
+                tqdm([*requests[: args.warmup], *requests], desc=f"serve {sharding}", disable=rank != 0)
+            ):
                 dist.barrier()
                 _sync(device)
                 start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Writes a small file in Criteo's TSV format (random values) to try the TSV reader:
 
-    python examples/dlrm/make_criteo_sample.py sample.tsv --lines 20000
+python examples/dlrm/make_criteo_sample.py sample.tsv --lines 20000
 """
 
 import argparse

@@ -76,5 +76,3 @@ def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> Dist
     )
     plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
     return DistributedModelParallel(model, device=device, plan=plan)
-
-

@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torchmetrics
+from data import criteo_batches, random_batches
+from model import SHARDINGS, add_model_args, feature_names, shard
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from torchrec_pgas.process import finish, start_rank
-
-from data import criteo_batches, random_batches
-from model import SHARDINGS, add_model_args, feature_names, shard
 
 
 def parse() -> argparse.Namespace:

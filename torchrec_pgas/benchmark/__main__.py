@@ -41,7 +41,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument(
-        "--rounds", type=int, default=1,
+        "--rounds",
+        type=int,
+        default=1,
         help="measure TorchRec's sharding and ours this many times each, alternating; "
         "report the median of the rounds' medians and the rounds' speed-ups",
     )
@@ -91,7 +93,8 @@ def _run(
     if cfg.ranks not in bandwidth:  # measured once per group, in the same run
         cuda = device.type == "cuda"
         bandwidth[cfg.ranks] = (
-            floor.copy_gbps(device, 1 << (28 if cuda else 24)), floor.link_gbps(pg, device, 1 << (26 if cuda else 24))
+            floor.copy_gbps(device, 1 << (28 if cuda else 24)),
+            floor.link_gbps(pg, device, 1 << (26 if cuda else 24)),
         )
     copy, link = bandwidth[cfg.ranks]
     parts = floor.floor(cfg, copy, link)
@@ -102,18 +105,27 @@ def _run(
         (_, base_out), (_, ours_out) = rounds[-1]
         diff = (base_out - ours_out).abs().max()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=pg)
-        base, ours = (
-            {key: statistics.median(r[i][0][key] for r in rounds) for key in rounds[0][i][0]} for i in (0, 1)
+        base, ours = ({key: statistics.median(r[i][0][key] for r in rounds) for key in rounds[0][i][0]} for i in (0, 1))
+        rows.append(
+            {
+                "scenario": name,
+                "label": cfg.label(),
+                "short": _short(name, cfg),
+                "config": vars(cfg),
+                "pair": pair,
+                "baseline": base,
+                "ours": ours,
+                "identical": bool(diff == 0),
+                "max_diff": float(diff),
+                "floor_ms": parts.floor_ms,
+                "memory_ms": parts.memory_ms,
+                "link_ms": parts.link_ms,
+                "copy_gbps": copy,
+                "link_gbps": link,
+                "wall_s": time.perf_counter() - begin,
+                "speedup_per_round": {key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]},
+            }
         )
-        rows.append({
-            "scenario": name, "label": cfg.label(), "short": _short(name, cfg), "config": vars(cfg),
-            "pair": pair, "baseline": base, "ours": ours, "identical": bool(diff == 0),
-            "max_diff": float(diff), "floor_ms": parts.floor_ms, "memory_ms": parts.memory_ms,
-            "link_ms": parts.link_ms, "copy_gbps": copy, "link_gbps": link, "wall_s": time.perf_counter() - begin,
-            "speedup_per_round": {
-                key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]
-            },
-        })
     return rows
 
 
@@ -136,7 +148,10 @@ def main() -> None:
             print(f"left out (launch with fewer GPUs for them): {', '.join(fewer)}", flush=True)
     hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
     meta = {
-        "hardware": hardware, "host": timing.host(device), "iters": args.iters, "rounds": args.rounds,
+        "hardware": hardware,
+        "host": timing.host(device),
+        "iters": args.iters,
+        "rounds": args.rounds,
         "command": "torchrun ... -m torchrec_pgas.benchmark " + " ".join(sys.argv[1:]),
     }
     for i, (name, cfg) in enumerate(tqdm(work, desc="configurations", disable=rank != 0)):
@@ -152,8 +167,12 @@ def main() -> None:
 
 def _short(scenario: str, cfg: Config) -> str:
     return {
-        "weak": f"{cfg.ranks} ranks", "strong": f"{cfg.ranks} ranks", "dim": f"dim {cfg.dim}",
-        "ids_per_bag": f"{cfg.ids_per_bag} ids", "batch_size": f"{cfg.batch_size}", "zipf": "zipf 1.05",
+        "weak": f"{cfg.ranks} ranks",
+        "strong": f"{cfg.ranks} ranks",
+        "dim": f"dim {cfg.dim}",
+        "ids_per_bag": f"{cfg.ids_per_bag} ids",
+        "batch_size": f"{cfg.batch_size}",
+        "zipf": "zipf 1.05",
         "large_tables": f"{cfg.tables} x {cfg.rows}",
     }.get(scenario, "R1" if scenario == "r1" else scenario)
 

@@ -64,9 +64,7 @@ def scenarios(base: Config, world: int) -> Dict[str, List[Config]]:
     return {
         "r1": [base],
         "weak": [dataclasses.replace(base, ranks=w, tables=per_rank_tables * w) for w in _world_sizes(world)],
-        "strong": [
-            dataclasses.replace(base, ranks=w, batch_size=global_batch // w) for w in _world_sizes(world)
-        ],
+        "strong": [dataclasses.replace(base, ranks=w, batch_size=global_batch // w) for w in _world_sizes(world)],
         "dim": sweep("dim", [32, 64, 128, 256]),
         "ids_per_bag": sweep("ids_per_bag", [1, 5, 20, 50, 100]),
         "batch_size": sweep("batch_size", [512, 2048, 8192, 32768, 65536]),

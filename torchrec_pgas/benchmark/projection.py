@@ -196,13 +196,17 @@ def fit_results(results: Dict[str, Any], links: Links, fit_scenarios: Sequence[s
         chosen = [r for r in mine if r["scenario"] in fit_scenarios] or mine
         lookup = statistics.median(r["copy_gbps"] for r in chosen)
         points = lambda side: [(Config(**r["config"]), r[side]["forward_ms"]) for r in chosen]  # noqa: E731
-        pairs.append(Pair(
-            names=names, base=Config(**next(r for s in fit_scenarios for r in chosen if r["scenario"] == s)["config"])
-            if any(r["scenario"] in fit_scenarios for r in chosen) else Config(**chosen[0]["config"]),
-            theirs=fit(points("baseline"), lookup, overlapped=False, links=links),
-            ours=fit(points("ours"), lookup, overlapped=True, links=links),
-            fitted_on=tuple(f"{r['scenario']}: {r['label']}" for r in chosen),
-        ))
+        pairs.append(
+            Pair(
+                names=names,
+                base=Config(**next(r for s in fit_scenarios for r in chosen if r["scenario"] == s)["config"])
+                if any(r["scenario"] in fit_scenarios for r in chosen)
+                else Config(**chosen[0]["config"]),
+                theirs=fit(points("baseline"), lookup, overlapped=False, links=links),
+                ours=fit(points("ours"), lookup, overlapped=True, links=links),
+                fitted_on=tuple(f"{r['scenario']}: {r['label']}" for r in chosen),
+            )
+        )
     return pairs
 
 
@@ -215,11 +219,18 @@ def check(results: Dict[str, Any], pairs: List[Pair], links: Links) -> List[Dict
         label = f"{r['scenario']}: {r['label']}"
         for side, model in (("baseline", pair.theirs), ("ours", pair.ours)):
             measured, predicted = r[side]["forward_ms"], forward_ms(cfg, model, links)
-            out.append({
-                "row": label, "pair": r["pair"], "side": side, "gpus": cfg.ranks, "measured_ms": measured,
-                "model_ms": predicted, "rel_error": (predicted - measured) / measured,
-                "fitted": label in pair.fitted_on,
-            })
+            out.append(
+                {
+                    "row": label,
+                    "pair": r["pair"],
+                    "side": side,
+                    "gpus": cfg.ranks,
+                    "measured_ms": measured,
+                    "model_ms": predicted,
+                    "rel_error": (predicted - measured) / measured,
+                    "fitted": label in pair.fitted_on,
+                }
+            )
     return out
 
 
@@ -231,13 +242,23 @@ def project(pairs: List[Pair], links: Links, nodes: Sequence[int] = NODES) -> Li
             for n in nodes:
                 cfg = scaled(pair.base, mode, n * links.gpus_per_node)
                 theirs, ours = forward_ms(cfg, pair.theirs, links), forward_ms(cfg, pair.ours, links)
-                out.append({"pair": list(pair.names), "mode": mode, "nodes": n, "gpus": cfg.ranks,
-                            "batch_per_gpu": cfg.batch_size, "theirs_ms": theirs, "ours_ms": ours})
+                out.append(
+                    {
+                        "pair": list(pair.names),
+                        "mode": mode,
+                        "nodes": n,
+                        "gpus": cfg.ranks,
+                        "batch_per_gpu": cfg.batch_size,
+                        "theirs_ms": theirs,
+                        "ours_ms": ours,
+                    }
+                )
     return out
 
 
-def markdown(pairs: List[Pair], links: Links, source: str, checked: List[Dict[str, Any]],
-             projected: List[Dict[str, Any]]) -> str:
+def markdown(
+    pairs: List[Pair], links: Links, source: str, checked: List[Dict[str, Any]], projected: List[Dict[str, Any]]
+) -> str:
     lines = [
         f"# Embedding forward on 1 to {max(NODES)} nodes: {LABEL}",
         "",
@@ -256,18 +277,31 @@ def markdown(pairs: List[Pair], links: Links, source: str, checked: List[Dict[st
         )
     for mode in MODES:
         what = "samples per GPU fixed" if mode == "weak" else "global batch fixed"
-        lines += ["", f"## {mode.capitalize()} scaling ({what}): {LABEL}", "",
-                  "| pair | nodes | GPUs | samples/GPU | TorchRec ms | ours ms | TorchRec / ours |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {mode.capitalize()} scaling ({what}): {LABEL}",
+            "",
+            "| pair | nodes | GPUs | samples/GPU | TorchRec ms | ours ms | TorchRec / ours |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for p in (p for p in projected if p["mode"] == mode):
-            lines.append(f"| {p['pair'][1]} vs {p['pair'][0]} | {p['nodes']} | {p['gpus']} | {p['batch_per_gpu']} | "
-                         f"{p['theirs_ms']:.3f} | {p['ours_ms']:.3f} | {p['theirs_ms'] / p['ours_ms']:.2f}x |")
-    lines += ["", f"## Check of the model against the measured rows ({LABEL})", "",
-              "| row | pair | side | GPUs | measured ms | model ms | error | |", "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {p['pair'][1]} vs {p['pair'][0]} | {p['nodes']} | {p['gpus']} | {p['batch_per_gpu']} | "
+                f"{p['theirs_ms']:.3f} | {p['ours_ms']:.3f} | {p['theirs_ms'] / p['ours_ms']:.2f}x |"
+            )
+    lines += [
+        "",
+        f"## Check of the model against the measured rows ({LABEL})",
+        "",
+        "| row | pair | side | GPUs | measured ms | model ms | error | |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in checked:
-        lines.append(f"| {c['row']} | {c['pair'][1]} vs {c['pair'][0]} | {c['side']} | {c['gpus']} | "
-                     f"{c['measured_ms']:.3f} | {c['model_ms']:.3f} | {c['rel_error']:+.1%} | "
-                     f"{'fitted on' if c['fitted'] else 'held out'} |")
+        lines.append(
+            f"| {c['row']} | {c['pair'][1]} vs {c['pair'][0]} | {c['side']} | {c['gpus']} | "
+            f"{c['measured_ms']:.3f} | {c['model_ms']:.3f} | {c['rel_error']:+.1%} | "
+            f"{'fitted on' if c['fitted'] else 'held out'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -301,11 +335,18 @@ def plot(projected: List[Dict[str, Any]], path: str) -> None:
 
 def main(argv: "Sequence[str] | None" = None) -> None:
     p = argparse.ArgumentParser(description=f"Embedding forward on 1 to 16 nodes: {LABEL}")
-    p.add_argument("--results", required=True, nargs="+",
-                   help="results.json of `python -m torchrec_pgas.benchmark` (several: their rows together)")
+    p.add_argument(
+        "--results",
+        required=True,
+        nargs="+",
+        help="results.json of `python -m torchrec_pgas.benchmark` (several: their rows together)",
+    )
     p.add_argument("--out", required=True, help="directory for projection.md and projection.png")
-    p.add_argument("--fit-scenarios", default="r1",
-                   help="comma-separated scenarios whose rows the model is fitted on (the rest are held out)")
+    p.add_argument(
+        "--fit-scenarios",
+        default="r1",
+        help="comma-separated scenarios whose rows the model is fitted on (the rest are held out)",
+    )
     p.add_argument("--intra-gbps", type=float, help="NVLink GB/s per GPU and direction (default: see intra_gbps)")
     p.add_argument("--inter-gbps", type=float, default=Links.inter_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
@@ -325,8 +366,9 @@ def main(argv: "Sequence[str] | None" = None) -> None:
     with open(os.path.join(args.out, "projection.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "projection.json"), "w") as f:
-        json.dump({"label": LABEL, "links": dataclasses.asdict(links), "check": checked, "projection": projected},
-                  f, indent=1)
+        json.dump(
+            {"label": LABEL, "links": dataclasses.asdict(links), "check": checked, "projection": projected}, f, indent=1
+        )
     plot(projected, os.path.join(args.out, "projection.png"))
     print(table)
 

@@ -59,7 +59,7 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     cols = min(4, len(scenarios))
     grid = (len(scenarios) + cols - 1) // cols
     fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.4 * grid), squeeze=False)
-    for ax in axes.flat[len(scenarios):]:
+    for ax in axes.flat[len(scenarios) :]:
         ax.set_visible(False)
     colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
     for ax, scenario in zip(axes.flat, scenarios):
@@ -70,8 +70,12 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
             points = [(shorts.index(r["short"]), r) for r in mine if tuple(r["pair"]) == pair]
             for key, name in METRICS:
                 ax.plot(
-                    [x for x, _ in points], [r["baseline"][key] / r["ours"][key] for _, r in points],
-                    style, color=colors[key], marker="o", label=f"{name}, {pair[1]}",
+                    [x for x, _ in points],
+                    [r["baseline"][key] / r["ours"][key] for _, r in points],
+                    style,
+                    color=colors[key],
+                    marker="o",
+                    label=f"{name}, {pair[1]}",
                 )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(list(range(len(shorts))))

@@ -110,8 +110,18 @@ def main() -> None:
         print(f"window medians: min {min(medians):.3f} ms, max {max(medians):.3f} ms, spread {spread:.1%}")
         print(f"bit-identical to table_wise at {int(counts[1]) - int(counts[0])} of {int(counts[1])} checks")
         with open(f"{args.out}.json", "w") as f:
-            json.dump({"args": vars(args), "world": world, "steps": steps, "windows": windows,
-                       "checks": int(counts[1]), "mismatches": int(counts[0])}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "world": world,
+                    "steps": steps,
+                    "windows": windows,
+                    "checks": int(counts[1]),
+                    "mismatches": int(counts[0]),
+                },
+                f,
+                indent=1,
+            )
         _plot(windows, f"{args.out}.png")
     finish()
 

@@ -9,9 +9,7 @@ import torch
 import torch.distributed as dist
 
 
-def median_ms(
-    fn: Callable[[int], None], iters: int, warmup: int, device: torch.device, pg: dist.ProcessGroup
-) -> float:
+def median_ms(fn: Callable[[int], None], iters: int, warmup: int, device: torch.device, pg: dist.ProcessGroup) -> float:
     """The slowest rank's median time of ``fn(i)`` over ``iters`` runs after ``warmup``
     (a step is as fast as its slowest rank). Ranks start each run together."""
     for i in range(warmup):

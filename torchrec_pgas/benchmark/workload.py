@@ -82,8 +82,12 @@ def build(
         sharder=sharder,
     )
     dmp = DistributedModelParallel(
-        module, env=ShardingEnv.from_process_group(pg), device=device,
-        plan=ShardingPlan({path: plan}), sharders=[sharder], init_data_parallel=False,
+        module,
+        env=ShardingEnv.from_process_group(pg),
+        device=device,
+        plan=ShardingPlan({path: plan}),
+        sharders=[sharder],
+        init_data_parallel=False,
     )
     for key, value in dmp.state_dict().items():
         if "embedding_bags.t" not in key:

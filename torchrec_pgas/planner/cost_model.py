@@ -92,28 +92,26 @@ class _PgasComms:
     def compute_bwd_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
         return super().compute_bwd_comp(_as_torchrec_layout(ctx), config)  # type: ignore[misc]
 
-    def compute_prefetch_comp(
-        self, ctx: ShardPerfContext, config: HardwarePerfConfig
-    ) -> float:
+    def compute_prefetch_comp(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
         return super().compute_prefetch_comp(_as_torchrec_layout(ctx), config)  # type: ignore[misc]
 
-    def _default_input_dist_comms(
-        self, ctx: ShardPerfContext, config: HardwarePerfConfig
-    ) -> float:
+    def _default_input_dist_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
         bags = sum(n * b for n, b in zip(ctx.num_poolings, ctx.batch_sizes))
         ids_and_lengths = (ctx.batch_inputs + bags) * ctx.world_size * ctx.input_data_type_size
         return self._put_ms(ctx, config, ids_and_lengths) + _signals_ms(ctx)
 
     def _default_fwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
         pooled = self._get_output_write_size(  # type: ignore[attr-defined]
-            ctx, self._get_comm_data_type_size(ctx, is_fwd=True)  # type: ignore[attr-defined]
+            ctx,
+            self._get_comm_data_type_size(ctx, is_fwd=True),  # type: ignore[attr-defined]
         )
         exposed = self._put_ms(ctx, config, pooled) - self.compute_fwd_comp(ctx, config)
         return max(0.0, exposed) + _signals_ms(ctx)
 
     def _default_bwd_comms(self, ctx: ShardPerfContext, config: HardwarePerfConfig) -> float:
         grads = self._get_output_write_size(  # type: ignore[attr-defined]
-            ctx, self._get_comm_data_type_size(ctx, is_fwd=False)  # type: ignore[attr-defined]
+            ctx,
+            self._get_comm_data_type_size(ctx, is_fwd=False),  # type: ignore[attr-defined]
         )
         exposed = self._put_ms(ctx, config, grads) - self.compute_bwd_comp(ctx, config)
         return max(0.0, exposed) + _signals_ms(ctx)
@@ -166,9 +164,7 @@ _INFERENCE_EVALUATORS: Dict[str, EmbeddingShardingPerfEvaluator] = {
 }
 
 
-def pgas_perf_evaluator(
-    sharding_type: str, is_inference: bool = False
-) -> EmbeddingShardingPerfEvaluator:
+def pgas_perf_evaluator(sharding_type: str, is_inference: bool = False) -> EmbeddingShardingPerfEvaluator:
     """The perf evaluator of a PGAS sharding type.
 
     Args:
@@ -188,9 +184,7 @@ def _as_torchrec_layout(ctx: ShardPerfContext) -> ShardPerfContext:
     return replace(ctx, sharding_type=torchrec_layout(ctx.sharding_type))
 
 
-def _link_bandwidths(
-    ctx: ShardPerfContext, config: HardwarePerfConfig
-) -> Tuple[float, float]:
+def _link_bandwidths(ctx: ShardPerfContext, config: HardwarePerfConfig) -> Tuple[float, float]:
     """(BW_intra, BW_inter): the hardware config's override, else the topology's.
 
     Read from ``ctx.comms_bandwidths``: TorchRec leaves ``ctx.intra_host_bw`` and
@@ -202,8 +196,7 @@ def _link_bandwidths(
     inter = config.inter_host_bw if config.inter_host_bw is not None else comms.inter_host_bw
     if intra <= 0:
         raise ValueError(
-            f"the planner's topology has intra_host_bw {intra}; PGAS puts need a positive "
-            "intra-host bandwidth"
+            f"the planner's topology has intra_host_bw {intra}; PGAS puts need a positive intra-host bandwidth"
         )
     return (intra, inter)
 
@@ -211,13 +204,8 @@ def _link_bandwidths(
 def _host_sizes(world_size: int, local_world_size: int) -> List[int]:
     """Ranks per host when rank ``r`` is on host ``r // local_world_size``."""
     if local_world_size <= 0:
-        raise ValueError(
-            f"the planner's topology has local_world_size {local_world_size}; it must be positive"
-        )
-    return [
-        min(local_world_size, world_size - first)
-        for first in range(0, world_size, local_world_size)
-    ]
+        raise ValueError(f"the planner's topology has local_world_size {local_world_size}; it must be positive")
+    return [min(local_world_size, world_size - first) for first in range(0, world_size, local_world_size)]
 
 
 def _signals_ms(ctx: ShardPerfContext) -> float:

@@ -131,8 +131,7 @@ def _check_torchrec_version() -> None:
     match = re.match(r"(\d+)\.(\d+)", found)
     if match is None or not low <= (int(match[1]), int(match[2])) < high:
         raise RuntimeError(
-            f"torchrec_pgas supports torchrec >={low[0]}.{low[1]},<{high[0]}.{high[1]}; "
-            f"found torchrec {found}"
+            f"torchrec_pgas supports torchrec >={low[0]}.{low[1]},<{high[0]}.{high[1]}; found torchrec {found}"
         )
 
 

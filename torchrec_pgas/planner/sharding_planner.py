@@ -34,9 +34,7 @@ class PgasShardingPlanner(EmbeddingShardingPlanner):
         super().__init__(*args, **kwargs)
         check_constraint_sharding_types(self._constraints)
 
-    def plan(
-        self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]
-    ) -> ShardingPlan:
+    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
         with scoped_registration():
             return super().plan(module, sharders)
 
@@ -47,9 +45,7 @@ class PgasShardingPlanner(EmbeddingShardingPlanner):
         pg: Optional[dist.ProcessGroup] = None,
     ) -> ShardingPlan:
         with scoped_registration():
-            return super().collective_plan(
-                module, pgas_sharders() if sharders is None else sharders, pg
-            )
+            return super().collective_plan(module, pgas_sharders() if sharders is None else sharders, pg)
 
 
 def make_planner(

@@ -9,9 +9,8 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
@@ -22,15 +21,14 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor, EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.exchange import Exchange, LookupInput, PooledLookup
+from torchrec_pgas.kernels.ids_slot import Status
 from torchrec_pgas.sharding.dists import (
     PgasGroupedPooledEmbeddingsLookup,
     PgasPooledEmbeddingDist,
     PgasSparseFeaturesDist,
 )
-from torchrec_pgas.kernels.ids_slot import Status
+from torchrec_pgas.sharding.exchange import Exchange, LookupInput, PooledLookup
 from torchrec_pgas.types import PgasOptions
 
 
@@ -125,9 +123,7 @@ class PgasShardingMixin:
         """See ``BaseTwExchange.report_input_problem``."""
         self._get_exchange(None).report_input_problem(status, detail)
 
-    def create_input_dist(
-        self, device: Optional[torch.device] = None
-    ) -> BaseSparseFeaturesDist[LookupInput]:
+    def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[LookupInput]:
         return PgasSparseFeaturesDist(self._get_exchange(device))
 
     def create_output_dist(

@@ -90,8 +90,11 @@ class SendInput(NamedTuple):
 
 
 def send_input(
-    kjt: KeyedJaggedTensor, host_problem: Optional[Tuple[Status, Tuple[int, ...], int]], weighted: bool,
-    routing: IdsRouting, device: torch.device,
+    kjt: KeyedJaggedTensor,
+    host_problem: Optional[Tuple[Status, Tuple[int, ...], int]],
+    weighted: bool,
+    routing: IdsRouting,
+    device: torch.device,
 ) -> SendInput:
     """``kjt`` for a send: ``host_problem`` is what the host sees wrong with it
     (``BaseTwExchange._host_problem``), ``routing`` routes its ids to their owners."""
@@ -197,8 +200,14 @@ class LookupGroups:
     """
 
     def __init__(
-        self, features: Sequence[TwFeature], group_sizes: Sequence[int], weighted: bool, exact_always: bool,
-        layout: IdsSlotLayout, world: int, device: torch.device,
+        self,
+        features: Sequence[TwFeature],
+        group_sizes: Sequence[int],
+        weighted: bool,
+        exact_always: bool,
+        layout: IdsSlotLayout,
+        world: int,
+        device: torch.device,
     ) -> None:
         self._features, self._sizes = list(features), list(group_sizes)
         self._first = [sum(self._sizes[:g]) for g in range(len(self._sizes))]

@@ -141,7 +141,12 @@ class PeerTables:
     """
 
     def __init__(
-        self, buffers: DeviceBuffers, output: OutputBlocks, owners: Sequence[int], dims: Sequence[int], me: int,
+        self,
+        buffers: DeviceBuffers,
+        output: OutputBlocks,
+        owners: Sequence[int],
+        dims: Sequence[int],
+        me: int,
         elem: int,
     ) -> None:
         dev, rows = buffers.ids.device, buffers.sizes.rows
@@ -159,12 +164,16 @@ class PeerTables:
                 [o, output.col_offsets[o], dims[o], grads[o] + me * rows * dims[o] * elem, counts[o] + me * 8]
                 for o in owners
             ],
-            dtype=torch.int64, device=dev,
+            dtype=torch.int64,
+            device=dev,
         ).view(-1, 5)
 
 
 def first_batch_sizes(
-    batch_size: int, offsets: torch.Tensor, routed: Sequence[Sequence[int]], group: dist.ProcessGroup,
+    batch_size: int,
+    offsets: torch.Tensor,
+    routed: Sequence[Sequence[int]],
+    group: dist.ProcessGroup,
     device: torch.device,
 ) -> Tuple[int, int]:
     """The largest batch size and ids per owner of any rank's first batch (collective,

@@ -111,9 +111,7 @@ class _ExchangePooled(torch.autograd.Function):
         return grad, None, None, None
 
 
-class PgasPooledEmbeddingDist(
-    BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]
-):
+class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]):
     """Puts pooled rows (or partial sums) to the requesters; returns this rank's
     pooled embeddings, ``[batch, sum of dims]``."""
 

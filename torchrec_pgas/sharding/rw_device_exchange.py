@@ -51,8 +51,7 @@ class DeviceRwExchange(DeviceTwExchange):
         super().__init__(
             transport,
             features_per_rank=[
-                [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])]
-                for r in range(world)
+                [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])] for r in range(world)
             ],
             dim_sum_per_rank=[width] * world,
             input_features=features,

@@ -57,8 +57,7 @@ class RwExchange(TwExchange):
         super().__init__(
             transport=transport,
             features_per_rank=[
-                [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])]
-                for r in range(world)
+                [TwFeature(f.name, f.table, rows) for f, rows in zip(features, local_rows[r])] for r in range(world)
             ],
             dim_sum_per_rank=[sum(dims)] * world,
             out_dtype=out_dtype,
@@ -68,9 +67,7 @@ class RwExchange(TwExchange):
             out_dim=sum(dims),  # every owner covers every column
             mean=MeanAfterSum(dims, mean, torch.device("cpu")),
         )
-        self._block_sizes = torch.tensor(
-            [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64
-        )
+        self._block_sizes = torch.tensor([(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64)
 
     def _routable(self, pos: List[int]) -> bool:
         """Only the sharding's own order (``adopt_input_order``): the row blocks and
@@ -101,7 +98,11 @@ class RwExchange(TwExchange):
         out = torch.zeros(batch, self._dim_total, dtype=self._out_dtype)
         for owner in range(self._t.world_size):
             box.wait(owner, step)
-            out += box.slot(owner, step)[: batch * self._dim_total * self._elem].view(self._out_dtype).view(batch, self._dim_total)
+            out += (
+                box.slot(owner, step)[: batch * self._dim_total * self._elem]
+                .view(self._out_dtype)
+                .view(batch, self._dim_total)
+            )
             box.release(owner, step)
         return out
 

@@ -53,4 +53,3 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
         from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 
         return DeviceTwExchange(transport=transport, **args, **lookup_options(self._grouped_embedding_configs))  # type: ignore[arg-type]
-

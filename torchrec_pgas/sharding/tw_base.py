@@ -199,7 +199,9 @@ class BaseTwExchange:
         buffers, and every later call raises the original error rather than tripping
         over the missing buffers."""
         if self._setup_error is not None:
-            raise PgasError(f"{self._name}: the exchange's set-up failed earlier: {self._setup_error}") from self._setup_error
+            raise PgasError(
+                f"{self._name}: the exchange's set-up failed earlier: {self._setup_error}"
+            ) from self._setup_error
         try:
             self._allocate(*args)
         except BaseException as e:
@@ -311,8 +313,11 @@ def with_float32_weights(kjt: Any) -> Any:
     if weights is None or weights.dtype == torch.float32:
         return kjt
     return type(kjt)(
-        keys=kjt.keys(), values=kjt.values(), weights=weights.to(torch.float32),
-        lengths=kjt.lengths(), stride=kjt.stride(),
+        keys=kjt.keys(),
+        values=kjt.values(),
+        weights=weights.to(torch.float32),
+        lengths=kjt.lengths(),
+        stride=kjt.stride(),
     )
 
 

@@ -152,16 +152,35 @@ class DeviceTwExchange(BaseTwExchange):
         if x.problem is None:
             ids_check(*x.checked, self._num_rows, verdict, x.batch, x.narrowed)
         ids_header(
-            verdict, x.values, x.offsets, x.lengths, x.weights, self._num_rows, self._runs,
-            headers, chunks, x.batch, x.problem, layout, buffers.slot_offset(self._me, step),
+            verdict,
+            x.values,
+            x.offsets,
+            x.lengths,
+            x.weights,
+            self._num_rows,
+            self._runs,
+            headers,
+            chunks,
+            x.batch,
+            x.problem,
+            layout,
+            buffers.slot_offset(self._me, step),
             checked=x.checked[:2],
         )
         if text is not None:
             put_text(chunks, text)
             self._text = text  # until the next failing send: the puts read it
         put_signal(
-            buffers.all_ranks, chunks, buffers.ids, buffers.ids_ready, buffers.ids_free, buffers.err,
-            self._me, step, max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+            buffers.all_ranks,
+            chunks,
+            buffers.ids,
+            buffers.ids_ready,
+            buffers.ids_free,
+            buffers.err,
+            self._me,
+            step,
+            max(step - DEFAULT_DEPTH, 0),
+            self._t.timeout_ns,
         )
         self._my_batches.append(x.batch if x.batch <= layout.batch_capacity else 0)
         return step
@@ -178,16 +197,18 @@ class DeviceTwExchange(BaseTwExchange):
         batch, ids = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
         self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._headroom)
         out = self._output
-        sizes = BufferSizes(layout.nbytes, out.blocks, layout.batch_capacity, out.dim, max(self._dims),
-                            self._dims[me], self._out_dtype)
+        sizes = BufferSizes(
+            layout.nbytes, out.blocks, layout.batch_capacity, out.dim, max(self._dims), self._dims[me], self._out_dtype
+        )
         self._buffers = buffers = DeviceBuffers(t, sizes)
         buffers.free_when_collected(self)  # the model may go without closing us
         self._peers = PeerTables(buffers, out, self._owners_with_tables, self._dims, me, self._elem)
         self._done = done_counters(world, layout, self._dev)
         features = self._features_per_rank[me]
         self._scratch = StreamScratch(self._runs, len(features), layout, world, self._dev)
-        self._groups = LookupGroups(features, self._group_sizes, self._weighted, self._exact_always,
-                                    layout, world, self._dev)
+        self._groups = LookupGroups(
+            features, self._group_sizes, self._weighted, self._exact_always, layout, world, self._dev
+        )
         # The lookup output of a step whose rows ``lookup_put`` put (none).
         self._no_rows = torch.empty(0, self._dims[me], dtype=self._out_dtype, device=self._dev)
         self._take_done = torch.zeros(1, dtype=torch.int64, device=self._dev)
@@ -212,8 +233,15 @@ class DeviceTwExchange(BaseTwExchange):
         # Receives may come from several streams (pipelines).
         stream = driver.active.get_current_stream(self._dev.index)
         offsets = bag_offsets(
-            slots, features, layout, record, self._scratch.scan(stream), buffers.ids_ready, arrived(step),
-            buffers.err, self._t.timeout_ns,
+            slots,
+            features,
+            layout,
+            record,
+            self._scratch.scan(stream),
+            buffers.ids_ready,
+            arrived(step),
+            buffers.err,
+            self._t.timeout_ns,
         )
         route = DeviceRoute(record=record, my_batch=self._my_batches.popleft(), step=step, divisor=divisor)
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
@@ -264,10 +292,21 @@ class DeviceTwExchange(BaseTwExchange):
         self._out_step += 1
         out_step = self._out_step
         lookup_put(
-            lookup.slots, lookup.offsets, tables, emb_modules[0].emb_module.weights_dev,
-            buffers.out_views[0], self._peers.out_addrs[out_step % DEFAULT_DEPTH], self._peers.my_counts,
-            self._done, buffers.out_free, buffers.err, layout, self._output.dim, self._weighted,
-            max(out_step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+            lookup.slots,
+            lookup.offsets,
+            tables,
+            emb_modules[0].emb_module.weights_dev,
+            buffers.out_views[0],
+            self._peers.out_addrs[out_step % DEFAULT_DEPTH],
+            self._peers.my_counts,
+            self._done,
+            buffers.out_free,
+            buffers.err,
+            layout,
+            self._output.dim,
+            self._weighted,
+            max(out_step - DEFAULT_DEPTH, 0),
+            self._t.timeout_ns,
         )
         # The slots stay held until the output's take releases them.
         batch.route.ids_step = step
@@ -292,17 +331,33 @@ class DeviceTwExchange(BaseTwExchange):
                     route.record[1 : self._err_at : HEADER_WORDS],
                     self._peers.out_addrs[step % DEFAULT_DEPTH],
                     self._peers.my_counts,
-                    buffers.out_free, buffers.err, layout.batch_capacity, out.dim,
-                    out.col_offsets[me], max(step - DEFAULT_DEPTH, 0), self._t.timeout_ns,
+                    buffers.out_free,
+                    buffers.err,
+                    layout.batch_capacity,
+                    out.dim,
+                    out.col_offsets[me],
+                    max(step - DEFAULT_DEPTH, 0),
+                    self._t.timeout_ns,
                 )
         ids_step = buffers.hand_over(route.ids_step)  # 0 if released since
         self._expected_rows += programs_per_requester(route.my_batch)
         # A copy: the slot is reused two steps on, the output may live longer.
         pooled = torch.empty(route.my_batch, out.dim, dtype=self._out_dtype, device=self._dev)
         output_take(
-            buffers.out_views[step % DEFAULT_DEPTH], pooled, buffers.out_count.local, self._owners,
-            self._peers.out_free_words, self._peers.ids_free_words, self._take_done, buffers.err, route.record,
-            self._err_at, self._expected_rows, step, ids_step, self._t.timeout_ns,
+            buffers.out_views[step % DEFAULT_DEPTH],
+            pooled,
+            buffers.out_count.local,
+            self._owners,
+            self._peers.out_free_words,
+            self._peers.ids_free_words,
+            self._take_done,
+            buffers.err,
+            route.record,
+            self._err_at,
+            self._expected_rows,
+            step,
+            ids_step,
+            self._t.timeout_ns,
         )
         self._check(route)
         return pooled
@@ -335,8 +390,14 @@ class DeviceTwExchange(BaseTwExchange):
         cap = layout.batch_capacity
         generation = (step % DEFAULT_DEPTH) * buffers.grad_slot_bytes
         grads_put(
-            grad_out.to(self._out_dtype).contiguous(), self._peers.grad_dests, buffers.grads_free, buffers.err,
-            cap, generation, self._grad_scale if divide else 1.0, max(step - DEFAULT_DEPTH, 0),
+            grad_out.to(self._out_dtype).contiguous(),
+            self._peers.grad_dests,
+            buffers.grads_free,
+            buffers.err,
+            cap,
+            generation,
+            self._grad_scale if divide else 1.0,
+            max(step - DEFAULT_DEPTH, 0),
             self._t.timeout_ns,
         )
         if self._dims[self._me] == 0:

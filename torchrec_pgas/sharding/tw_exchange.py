@@ -62,12 +62,8 @@ class TwExchange(BaseTwExchange):
         elem = self._elem
         rows = layout.batch_capacity
         self._ids = Mailbox(self._t, layout.nbytes, True, f"{self._name} ids")
-        self._out = Mailbox(
-            self._t, rows * self._dim_total * elem, self._partial_sums, f"{self._name} pooled rows"
-        )
-        self._grads = Mailbox(
-            self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients"
-        )
+        self._out = Mailbox(self._t, rows * self._dim_total * elem, self._partial_sums, f"{self._name} pooled rows")
+        self._grads = Mailbox(self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients")
         self._layout = layout  # last: set only once every buffer is
 
     # ------------------------------------------------------------ ids forward
@@ -92,7 +88,10 @@ class TwExchange(BaseTwExchange):
             i = int(torch.nonzero(bad)[0, 0])
             feature = int(torch.searchsorted(per_key.cumsum(0), i, right=True))
             return Header(
-                Status.ID_OUT_OF_RANGE, batch, 0, False,
+                Status.ID_OUT_OF_RANGE,
+                batch,
+                0,
+                False,
                 (feature, int(values[i]), int(self._num_rows[feature])),
             )
         return ok
@@ -134,18 +133,22 @@ class TwExchange(BaseTwExchange):
         parts: List[tuple] = [()] * len(counts)
         if ok:
             weights = kjt.weights_or_none()
-            parts = list(zip(
-                lengths.split([c * header.batch_size for c in counts]),
-                kjt.values().to(torch.int64).split(ids_per_owner),
-                weights.to(torch.float32).split(ids_per_owner) if weights is not None else [None] * len(counts),
-            ))
+            parts = list(
+                zip(
+                    lengths.split([c * header.batch_size for c in counts]),
+                    kjt.values().to(torch.int64).split(ids_per_owner),
+                    weights.to(torch.float32).split(ids_per_owner) if weights is not None else [None] * len(counts),
+                )
+            )
 
         self._make_room()
         self._send_step += 1
         step = self._send_step
         for owner in range(self._t.world_size):
             base = box.begin_send(owner, step)
-            owner_header = Header(header.status, header.batch_size, ids_per_owner[owner], header.has_weights, header.detail)
+            owner_header = Header(
+                header.status, header.batch_size, ids_per_owner[owner], header.has_weights, header.detail
+            )
             self._t.put(box.buffer, owner, base, owner_header.encode())
             if ok:
                 owner_lengths, ids, w = parts[owner]
@@ -191,9 +194,7 @@ class TwExchange(BaseTwExchange):
         self._raise_for_bad_headers(headers, step, texts)
         has_weights = {h.has_weights for h in headers}
         if len(has_weights) > 1:
-            raise PgasInputError(
-                f"{self._name} step {step}: some ranks sent per-sample weights and some did not"
-            )
+            raise PgasInputError(f"{self._name} step {step}: some ranks sent per-sample weights and some did not")
         order = range(self._t.world_size)
         values = torch.cat([ids[s][f] for f in range(nf) for s in order] or [torch.empty(0, dtype=torch.int64)])
         kjt = KeyedJaggedTensor(
@@ -222,9 +223,7 @@ class TwExchange(BaseTwExchange):
             rows = local_embs.detach().to(self._out_dtype).split(route.batch_sizes)
             for requester, block in enumerate(rows):
                 base = box.begin_send(requester, step)
-                self._t.put_rows(
-                    box.buffer, requester, base + self._col_offsets[me] * elem, pitch, block
-                )
+                self._t.put_rows(box.buffer, requester, base + self._col_offsets[me] * elem, pitch, block)
                 box.end_send(requester, step)
         batch = route.batch_sizes[me]
         for owner in self._owners_with_tables:
@@ -264,8 +263,6 @@ class TwExchange(BaseTwExchange):
         for source, batch in enumerate(route.batch_sizes):
             box.wait(source, step)
             nbytes = batch * self._dims[me] * grad_out.element_size()
-            blocks.append(
-                box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dims[me]).clone()
-            )
+            blocks.append(box.slot(source, step)[:nbytes].view(self._out_dtype).view(batch, self._dims[me]).clone())
             box.release(source, step)
         return self._divided(torch.cat(blocks), divide)

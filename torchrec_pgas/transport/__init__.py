@@ -61,9 +61,7 @@ def _refuse_a_subgroup_for_nvshmem(pg: dist.ProcessGroup) -> None:
         )
 
 
-def get_transport(
-    pg: dist.ProcessGroup, device: torch.device, options: PgasOptions
-) -> Transport:
+def get_transport(pg: dist.ProcessGroup, device: torch.device, options: PgasOptions) -> Transport:
     """The transport for ``pg`` (created collectively on first use, then shared).
 
     ``options.transport="auto"`` chooses NVSHMEM for CUDA devices and the host

@@ -25,8 +25,22 @@ from torchrec_pgas.transport.nvshmem import NvshmemTransport
 _WAIT_DATA = WAIT_DATA.value
 #: What ``close`` takes away: any later use raises (``DeviceBuffers.__getattr__``)
 #: instead of reaching freed memory.
-_FREED = ("ids", "ids_ready", "ids_free", "out", "out_count", "out_free", "grads", "grads_count", "grads_free",
-          "ids_slots", "out_views", "grad_views", "all_ranks", "_no_chunks")
+_FREED = (
+    "ids",
+    "ids_ready",
+    "ids_free",
+    "out",
+    "out_count",
+    "out_free",
+    "grads",
+    "grads_count",
+    "grads_free",
+    "ids_slots",
+    "out_views",
+    "grad_views",
+    "all_ranks",
+    "_no_chunks",
+)
 
 
 class Symmetric(NamedTuple):
@@ -222,8 +236,17 @@ class DeviceBuffers:
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        tensors = [self.ids, self.ids_ready, self.ids_free, self.out.local, self.out_count.local,
-                   self.out_free, self.grads.local, self.grads_count.local, self.grads_free]
+        tensors = [
+            self.ids,
+            self.ids_ready,
+            self.ids_free,
+            self.out.local,
+            self.out_count.local,
+            self.out_free,
+            self.grads.local,
+            self.grads_count.local,
+            self.grads_free,
+        ]
         for name in _FREED:
             delattr(self, name)
         self._t.free_tensors(tensors)

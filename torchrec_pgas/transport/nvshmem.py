@@ -222,10 +222,7 @@ class NvshmemTransport(Transport):
         """Raises on every rank if some rank cannot map another's memory (collective:
         the others would wait for it in the next collective)."""
         probe = self.symmetric_tensor((1,), torch.int64)
-        missing = [
-            pe for pe in range(self.world_size)
-            if self._nvshmem.get_peer_tensor(probe, pe) is None
-        ]
+        missing = [pe for pe in range(self.world_size) if self._nvshmem.get_peer_tensor(probe, pe) is None]
         problem = None
         if missing:
             problem = (
@@ -268,8 +265,18 @@ class NvshmemTransport(Transport):
         peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
         # The kernel's own signal goes to a scratch word: callers signal explicitly
         # (``signal``), as the interface asks.
-        put_signal(peers, chunks, buf.handle, self._scratch_signals, self._scratch_signals,
-                   self.err, self.rank, 0, 0, self.timeout_ns)
+        put_signal(
+            peers,
+            chunks,
+            buf.handle,
+            self._scratch_signals,
+            self._scratch_signals,
+            self.err,
+            self.rank,
+            0,
+            0,
+            self.timeout_ns,
+        )
 
     def put(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
         src = src.detach().contiguous()
@@ -286,9 +293,18 @@ class NvshmemTransport(Transport):
 
         # A put_signal with no chunks: fence, then set word ``index`` at ``peer``.
         peers = torch.tensor([peer], dtype=torch.int32).to(self.device, non_blocking=True)
-        put_signal(peers, torch.empty(1, 0, 3, dtype=torch.int64, device=self.device),
-                   self._scratch_bytes, sig.handle, self._scratch_signals, self.err,
-                   index, value, 0, self.timeout_ns)
+        put_signal(
+            peers,
+            torch.empty(1, 0, 3, dtype=torch.int64, device=self.device),
+            self._scratch_bytes,
+            sig.handle,
+            self._scratch_signals,
+            self.err,
+            index,
+            value,
+            0,
+            self.timeout_ns,
+        )
 
     def wait(self, sig: SignalArray, index: int, value: int, what: str) -> None:
         from torchrec_pgas.kernels.signal_wait import signal_wait
