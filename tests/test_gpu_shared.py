@@ -62,49 +62,48 @@ def _pair(rank, world_size, tables, placement, weighted, fused=None):
     return ref, gpu, host
 
 
-def _forward(rank, world_size, owners, row_wise, batch_sizes, pooling, weighted):
-    for seed in range(2):
-        torch.manual_seed(seed)
-        tables = make_tables(len(owners), seed, pooling)
-        ref, gpu, host = _pair(rank, world_size, tables, _placement(tables, owners, row_wise), weighted)
-        for step in range(4):
-            kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
-            with torch.no_grad() if step % 2 else torch.enable_grad():
-                out = gpu(kjt.to(GPU)).to_dict()
-                on_host = host(kjt).to_dict()
-            assert sorted(out) == sorted(on_host)
-            for k in on_host:
-                torch.testing.assert_close(out[k].cpu(), on_host[k], rtol=1e-6, atol=1e-6)
-            expected = reference_pooled(tables, ref.state_dict(), kjt, row_wise=row_wise)
-            assert_close_to_reference(out, expected)
+#: (owners, row-wise tables, batch size per rank, pooling, weighted): a rank that owns no
+#: table, mean pooling, per-sample weights, and modules mixing both PGAS types.
+FORWARD_CASES = [
+    ([0, 1, 0, 1], (), [64, 17], PoolingType.SUM, False),
+    ([1, 1, 1], (), [5, 33], PoolingType.MEAN, False),
+    ([0, 1, 1], (), [40, 40], PoolingType.SUM, True),
+    ([0, 0, 1, 1], ("t1", "t3"), [30, 9], PoolingType.SUM, False),
+    ([1, 0, 0], ("t0",), [12, 21], PoolingType.MEAN, True),
+]
+
+
+def _forward(rank, world_size):
+    """Every case in one process group (each start of NVSHMEM costs seconds)."""
+    for case, (owners, row_wise, batch_sizes, pooling, weighted) in enumerate(FORWARD_CASES):
+        owners = [o % world_size for o in owners]
+        for seed in range(2):
+            torch.manual_seed(seed)
+            tables = make_tables(len(owners), seed, pooling)
+            ref, gpu, host = _pair(rank, world_size, tables, _placement(tables, owners, row_wise), weighted)
+            for step in range(4):
+                kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
+                with torch.no_grad() if step % 2 else torch.enable_grad():
+                    out = gpu(kjt.to(GPU)).to_dict()
+                    on_host = host(kjt).to_dict()
+                assert sorted(out) == sorted(on_host), case
+                for k in on_host:
+                    torch.testing.assert_close(out[k].cpu(), on_host[k], rtol=1e-6, atol=1e-6, msg=f"case {case}")
+                expected = reference_pooled(tables, ref.state_dict(), kjt, row_wise=row_wise)
+                assert_close_to_reference(out, expected)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize(
-    "owners,row_wise,batch_sizes,pooling,weighted",
-    [
-        ([0, 1, 0, 1], (), [64, 17], PoolingType.SUM, False),
-        ([1, 1, 1], (), [5, 33], PoolingType.MEAN, False),  # rank 0 owns no table
-        ([0, 1, 1], (), [40, 40], PoolingType.SUM, True),
-        ([0, 0, 1, 1], ("t1", "t3"), [30, 9], PoolingType.SUM, False),
-        ([1, 0, 0], ("t0",), [12, 21], PoolingType.MEAN, True),
-    ],
-    ids=["sum", "mean-idle-rank", "weighted", "tw+rw", "tw+rw-mean-weighted"],
-)
-def test_shared_gpu_forward_matches_host_and_reference(world_size, owners, row_wise, batch_sizes, pooling, weighted):
-    owners = [o % world_size for o in owners]
-    run_ranks(
-        _forward,
-        world_size,
-        owners=owners,
-        row_wise=row_wise,
-        batch_sizes=batch_sizes,
-        pooling=pooling,
-        weighted=weighted,
-    )
+def test_shared_gpu_forward_matches_host_and_reference(world_size):
+    run_ranks(_forward, world_size)
 
 
-def _train(rank, world_size, owners, row_wise, batch_sizes, optimizer):
+def _train(rank, world_size, owners, row_wise, batch_sizes):
+    for optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+        _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer)
+
+
+def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer):
     tables = make_tables(len(owners), seed=7)
     torch.manual_seed(7)
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
@@ -135,39 +134,63 @@ def test_shared_gpu_training_matches_host(world_size, optimizer):
     run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7], optimizer=optimizer)
 
 
-def _bad_batches(rank, world_size, row_wise):
+def _bad_batches(rank, world_size):
     """A bad batch on the last rank raises the same error on every rank, and the next
-    good batch is served right: ids out of range, and (in a module mixing
-    pgas_table_wise and pgas_row_wise) a negative length whose lengths still add up."""
-    tables = make_tables(3, seed=3)
-    torch.manual_seed(3)
-    ref, gpu, _ = _pair(rank, world_size, tables, _placement(tables, [0, 1 % world_size, 0], row_wise), False)
+    good batch is served right, in a module of pgas_table_wise only (the direct path)
+    and one mixing pgas_table_wise and pgas_row_wise (TorchRec's permute and split):
+    ids out of range, a negative length whose lengths still add up, 2-D values, a
+    missing key, and an error while the send is prepared (its message must reach
+    every rank)."""
+    from torchrec_pgas.sharding import tw_device_exchange
+
     bad_rank = world_size - 1
-    n0 = tables[0].num_embeddings
-    bad = [
-        KeyedJaggedTensor(  # an id past table t0
-            keys=["f0", "f1", "f2"],
-            values=torch.tensor([n0, 0, 0]),
-            lengths=torch.tensor([1, 1, 1]),
-        ),
-        KeyedJaggedTensor(  # a negative length
-            keys=["f0", "f1", "f2"],
-            values=torch.tensor([0, 1, 2]),
-            lengths=torch.tensor([-1, 3, 1]),
-        ),
-    ]
-    for i, kjt_bad in enumerate(bad):
-        good = random_kjt(tables, 9 + rank, 50 * i + rank)
-        kjt = kjt_bad if rank == bad_rank else good
-        with pytest.raises(PgasInputError, match=f"rank {bad_rank}"):
-            gpu(kjt.to(GPU)).to_dict()
-        nxt = random_kjt(tables, 5 + 3 * rank, 70 * i + rank)
-        out = gpu(nxt.to(GPU)).to_dict()
-        assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), nxt, row_wise=row_wise))
+    for row_wise in ((), ("t1",)):
+        tables = make_tables(3, seed=3)
+        torch.manual_seed(3)
+        ref, gpu, _ = _pair(rank, world_size, tables, _placement(tables, [0, 1 % world_size, 0], row_wise), False)
+        n0 = tables[0].num_embeddings
+        keys = ["f0", "f1", "f2"]
+        bad = {
+            "id out of range": KeyedJaggedTensor(
+                keys=keys, values=torch.tensor([n0, 0, 0]), lengths=torch.ones(3, dtype=torch.int64)
+            ),
+            "negative length": KeyedJaggedTensor(keys=keys, values=torch.arange(3), lengths=torch.tensor([-1, 3, 1])),
+            "2-D values": KeyedJaggedTensor(
+                keys=keys, values=torch.zeros(3, 2, dtype=torch.int64), lengths=torch.ones(3, dtype=torch.int64)
+            ),
+            "missing key": KeyedJaggedTensor(
+                keys=keys[:2], values=torch.arange(2), lengths=torch.ones(2, dtype=torch.int64)
+            ),
+            "failed send": None,
+        }
+        for i, (what, kjt_bad) in enumerate(bad.items()):
+            kjt = random_kjt(tables, 9 + rank, 50 * i + rank)
+            real = tw_device_exchange.send_input
+            if kjt_bad is not None and rank == bad_rank:
+                kjt = kjt_bad
+            elif kjt_bad is None:
+                calls = []
+
+                def fails(*args, **kwargs):
+                    calls.append(1)
+                    if rank == bad_rank and len(calls) == 1:
+                        raise RuntimeError("prepared to fail")
+                    return real(*args, **kwargs)
+
+                tw_device_exchange.send_input = fails
+            match = f"rank {bad_rank}" + (".*RuntimeError: prepared to fail" if kjt_bad is None else "")
+            try:
+                with pytest.raises(PgasInputError, match=match):
+                    gpu(kjt.to(GPU)).to_dict()
+            finally:
+                tw_device_exchange.send_input = real
+            nxt = random_kjt(tables, 5 + 3 * rank, 70 * i + rank)
+            out = gpu(nxt.to(GPU)).to_dict()
+            expected = reference_pooled(tables, ref.state_dict(), nxt, row_wise=row_wise)
+            assert_close_to_reference(out, expected)
     dist.barrier()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("row_wise", [(), ("t1",)], ids=["tw", "tw+rw"])
-def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size, row_wise):
-    run_ranks(_bad_batches, world_size, row_wise=row_wise)
+def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size):
+    run_ranks(_bad_batches, world_size)
