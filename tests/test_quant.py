@@ -1,0 +1,110 @@
+"""pgas_table_wise serving of TorchRec's quantized EmbeddingBagCollection (INT8, INT4,
+FP16 tables) on real gloo process groups, against the unsharded quantized module
+(FBGEMM's int-N kernel), which it must equal bit for bit."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import make_tables, random_kjt, run_ranks
+from torch import nn
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.types import ShardingEnv
+from torchrec.inference.modules import quantize_embeddings
+
+from torchrec_pgas.quant import (
+    PgasQuantEmbeddingBagCollection,
+    PgasQuantEmbeddingBagCollectionSharder,
+    shard_quant_model,
+)
+from torchrec_pgas.sharding.tw_base import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_table_wise
+
+DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
+
+
+class _Model(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt)
+
+
+def _quantized(tables, dtype, weighted, seed):
+    """The same quantized module on every rank (same seed, same quantization)."""
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+    return quantize_embeddings(_Model(ebc), dtype=DTYPES[dtype], inplace=True).ebc
+
+
+def _check_served(rank, world_size, dtype, owners, weighted, seed):
+    tables = make_tables(len(owners), seed)
+    ref = _quantized(tables, dtype, weighted, seed)
+    model = shard_quant_model(
+        _Model(_quantized(tables, dtype, weighted, seed)),
+        dist.group.WORLD,
+        owners={t.name: o for t, o in zip(tables, owners)},
+    )
+    assert isinstance(model.ebc, PgasQuantEmbeddingBagCollection)
+    for step in range(4):
+        # Uneven batches, an empty one on rank 1 at step 2, empty bags throughout.
+        batch = 0 if (rank, step) == (1, 2) else 3 + 5 * rank + step
+        kjt = random_kjt(tables, batch, seed + 100 * step + rank, weighted=weighted)
+        out, expected = model(kjt), ref(kjt)
+        assert out.keys() == expected.keys()
+        assert out.values().dtype == expected.values().dtype
+        assert torch.equal(out.values(), expected.values()), (
+            dtype,
+            step,
+            (out.values() - expected.values()).abs().max(),
+        )
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("owners,weighted", [((0, 1, 1, 0, 1), False), ((1, 1, 1), True)])
+def test_equals_unsharded_quant(dtype, owners, weighted):
+    """Output equal to the unsharded module's; (1, 1, 1): rank 0 owns no table."""
+    run_ranks(_check_served, 2, dtype=dtype, owners=owners, weighted=weighted, seed=len(owners) + len(dtype))
+
+
+def _check_bad_ids(rank, world_size, seed):
+    tables = make_tables(3, seed)
+    ref = _quantized(tables, "int8", False, seed)
+    model = shard_quant_model(_Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD)
+    kjt = random_kjt(tables, 4 + rank, seed + rank)
+    if rank == 1:
+        values = kjt.values().clone()
+        values[-1] = tables[-1].num_embeddings  # one past the table's last row
+        kjt = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    with pytest.raises(PgasInputError, match="rank 1"):
+        model(kjt)
+    # Features the module lacks: refused on every rank too.
+    missing = random_kjt(tables[:2], 3, seed)
+    with pytest.raises(PgasInputError, match=r"rank 0 could not send its batch: its features \[.f0., .f1.\] are not"):
+        model(missing if rank == 0 else random_kjt(tables, 3, seed))
+    kjt = random_kjt(tables, 2 + 3 * rank, seed + 7 + rank)
+    assert torch.equal(model(kjt).values(), ref(kjt).values())
+
+
+def test_bad_input_raises_on_every_rank():
+    run_ranks(_check_bad_ids, 2, seed=5)
+
+
+def _check_sharder_plan(rank, world_size, seed):
+    tables = make_tables(4, seed)
+    qebc = _quantized(tables, "fp16", False, seed)
+    ref = _quantized(tables, "fp16", False, seed)
+    sharder = PgasQuantEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(
+        qebc, {t.name: pgas_table_wise(rank=i % 2) for i, t in enumerate(tables)}, world_size=2, sharder=sharder
+    )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    sharded = sharder.shard(qebc, plan, env, torch.device("cpu"))
+    kjt = random_kjt(tables, 3 + rank, seed + rank)
+    assert torch.equal(sharded(kjt).values(), ref(kjt).values())
+
+
+def test_sharder_takes_a_torchrec_plan():
+    run_ranks(_check_sharder_plan, 2, seed=11)

@@ -1,0 +1,257 @@
+"""The sharded quantized ``EmbeddingBagCollection``, its sharder, and
+``shard_quant_model``, the entry point for a model served one process per rank.
+
+TorchRec serves quantized tables with ``shard_quant_model``, one process driving
+every GPU. Here each rank is a process, as on the float path under
+``DistributedModelParallel``: a batch's ids go by one-sided puts to the owner of each
+table (``TwExchange``, the float path's table-wise exchange), the owner pools them
+with the very module TorchRec serves unsharded (a ``QuantEmbeddingBagCollection`` of
+its own tables, whose FBGEMM int-N kernel dequantizes each row), and puts the pooled
+rows back. Each bag is pooled by the same kernel over the same rows in the same order
+as unsharded, so the output equals the unsharded module's bit for bit.
+"""
+
+import copy
+from collections import defaultdict
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_pgas.kernels.ids_slot import Status
+from torchrec_pgas.sharding.batch_checks import batch_problem, empty_batch, input_problem
+from torchrec_pgas.sharding.dists import send_ids
+from torchrec_pgas.sharding.exchange import HostBatch
+from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
+from torchrec_pgas.sharding.tw_exchange import TwExchange
+from torchrec_pgas.transport import get_transport
+from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
+
+
+def _lookup_order(tables: Sequence[EmbeddingBagConfig]) -> List[EmbeddingBagConfig]:
+    """``tables`` in the order a ``QuantEmbeddingBagCollection`` of them pools and
+    outputs them: grouped by pooling (one FBGEMM module per group), groups in order of
+    first appearance. Building the owner's module in this order makes its feature and
+    output order the exchange's."""
+    groups: Dict[object, List[EmbeddingBagConfig]] = defaultdict(list)
+    for t in tables:
+        groups[(t.pooling, getattr(t, "use_virtual_table", False))].append(t)
+    return [t for group in groups.values() for t in group]
+
+
+def _table_weights(module: QuantEmbeddingBagCollection) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Each table's quantized rows and scale/bias as FBGEMM stores them (the
+    ``table_name_to_quantized_weights`` TorchRec builds a module from)."""
+    out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    for tables, tbe in zip(module._key_to_tables.values(), module._emb_modules):
+        for table, (weight, scale_shift) in zip(tables, tbe.split_embedding_weights(split_scale_shifts=True)):
+            out[table.name] = (weight, scale_shift)
+    return out
+
+
+def balanced_owners(tables: Sequence[EmbeddingBagConfig], world_size: int) -> Dict[str, int]:
+    """A table -> rank placement that balances the rows times dims each rank holds
+    (largest table first, onto the least loaded rank); the same on every rank."""
+    load = [0] * world_size
+    owners: Dict[str, int] = {}
+    for t in sorted(tables, key=lambda t: (-t.num_embeddings * t.embedding_dim, t.name)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[t.name] = rank
+        load[rank] += t.num_embeddings * t.embedding_dim
+    return owners
+
+
+class PgasQuantEmbeddingBagCollection(nn.Module):
+    """A ``QuantEmbeddingBagCollection`` sharded ``pgas_table_wise``: same input
+    (a KJT of the module's features), same output (a ``KeyedTensor``, keys and
+    columns in the unsharded module's order), the tables spread over the ranks of
+    ``pg`` by ``owners`` (table name -> rank).
+
+    Every rank of ``pg`` must build it from the same module (the same tables and
+    weights) with the same ``owners`` and ``options``, and call it for every batch:
+    like the float path, a step is collective. A bad batch on any rank (unknown
+    features, ids out of a table's range, negative lengths, missing per-sample
+    weights) raises the same ``PgasInputError`` on every rank, and the next batch is
+    served normally.
+    """
+
+    def __init__(
+        self,
+        module: QuantEmbeddingBagCollection,
+        owners: Mapping[str, int],
+        pg: dist.ProcessGroup,
+        options: Optional[PgasOptions] = None,
+    ) -> None:
+        super().__init__()
+        options = options or PgasOptions()
+        world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        configs = module.embedding_bag_configs()
+        names = [t.name for t in configs]
+        problems = sorted(set(names) ^ set(owners))
+        if problems:
+            raise ValueError(f"{PGAS_TABLE_WISE}: owners must name every table of the module once; differ: {problems}")
+        bad = {t: r for t, r in owners.items() if not 0 <= r < world_size}
+        if bad:
+            raise ValueError(f"{PGAS_TABLE_WISE}: owners {bad} are not ranks of a world of {world_size}")
+        if module.device.type != "cpu":
+            raise NotImplementedError(
+                f"{PGAS_TABLE_WISE}: quantized tables are served on CPU ranks only so far, not {module.device}"
+            )
+        self._name = PGAS_TABLE_WISE
+        self._is_weighted = module.is_weighted()
+        self._out_dtype = module.output_dtype()
+        per_rank = [_lookup_order([t for t in configs if owners[t.name] == r]) for r in range(world_size)]
+        features_per_rank = [
+            [TwFeature(name=f, table=t.name, num_embeddings=t.num_embeddings) for t in tables for f in t.feature_names]
+            for tables in per_rank
+        ]
+        dims = [sum(t.embedding_dim * t.num_features() for t in tables) for tables in per_rank]
+        self._exchange = TwExchange(
+            transport=get_transport(pg, torch.device("cpu"), options),
+            features_per_rank=features_per_rank,
+            dim_sum_per_rank=dims,
+            out_dtype=self._out_dtype,
+            headroom=options.headroom,
+            name=PGAS_TABLE_WISE,
+        )
+        self._input_keys = [f.name for fs in features_per_rank for f in fs]
+        self._needed = list(dict.fromkeys(self._input_keys))
+        self._batch_keys: Optional[List[str]] = None
+        self._permutes: Dict[Tuple[str, ...], List[int]] = {}
+        # The owner's tables, pooled by TorchRec's own quantized module (FBGEMM's
+        # int-N kernel), built from the unsharded module's quantized rows.
+        mine = per_rank[rank]
+        weights = _table_weights(module)
+        self.local: Optional[QuantEmbeddingBagCollection] = (
+            QuantEmbeddingBagCollection(
+                tables=copy.deepcopy(mine),
+                is_weighted=self._is_weighted,
+                device=torch.device("cpu"),
+                output_dtype=self._out_dtype,
+                table_name_to_quantized_weights={t.name: weights[t.name] for t in mine},
+                row_alignment=module.row_alignment,
+            )
+            if mine
+            else None
+        )
+        # Output columns: the exchange puts each owner's block side by side; the
+        # unsharded module's order is restored by one gather of columns.
+        names_by_table = dict(zip(names, get_embedding_names_by_table(configs)))
+        dim_by_name = {n: t.embedding_dim for t in configs for n in names_by_table[t.name]}
+        sharded_names = [n for tables in per_rank for t in tables for n in names_by_table[t.name]]
+        starts, col = {}, 0
+        for n in sharded_names:
+            starts[n], col = col, col + dim_by_name[n]
+        self._keys = list(module._embedding_names)
+        self._length_per_key = [dim_by_name[n] for n in self._keys]
+        order = [c for n in self._keys for c in range(starts[n], starts[n] + dim_by_name[n])]
+        self._columns = None if order == list(range(col)) else torch.tensor(order, dtype=torch.int64)
+
+    def _problem(self, features: KeyedJaggedTensor) -> Optional[str]:
+        problem = batch_problem(features, self._batch_keys, self._needed)
+        if problem is None and self._is_weighted and features.weights_or_none() is None:
+            problem = "per-sample weights are missing: the module's tables are weighted"
+        return problem
+
+    def _send(self, features: KeyedJaggedTensor) -> int:
+        """Sends ``features`` (in the exchange's feature order), or, if it cannot be
+        served, its problem in its place: then every rank raises for this step."""
+        exchange = self._exchange
+        problem = self._problem(features)
+        if problem is not None:
+            exchange.report_input_problem(*(input_problem(features) or (Status.FAILED, (f"its {problem}",))))
+            try:
+                return send_ids(exchange, empty_batch(self._input_keys, features.device()))
+            finally:
+                exchange.report_input_problem(None, None)
+        keys = features.keys()
+        if self._batch_keys is None:
+            self._batch_keys = list(keys)
+        if keys != self._input_keys:
+            perm = self._permutes.setdefault(tuple(keys), [keys.index(f) for f in self._input_keys])
+            features = with_float32_weights(features).permute(perm)
+        return send_ids(exchange, features)
+
+    @torch.no_grad()
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pools ``features``: the unsharded module's output, from this rank's batch."""
+        exchange = self._exchange
+        batch = exchange.recv_ids(self._send(features))
+        assert isinstance(batch, HostBatch)
+        if self.local is not None:
+            embs = self.local(batch.kjt).values()
+        else:
+            embs = torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
+        out = exchange.exchange_pooled(embs, batch.route)
+        if self._columns is not None:
+            out = out.index_select(1, self._columns)
+        return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
+
+
+class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
+    """TorchRec's sharder of ``QuantEmbeddingBagCollection`` (same shardable
+    parameters and kernels, so TorchRec's plans and planner apply), offering
+    ``pgas_table_wise``: ``shard`` places each table on the one rank its plan names."""
+
+    def __init__(self, options: Optional[PgasOptions] = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._pgas_options = options or PgasOptions()
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [PGAS_TABLE_WISE]
+
+    def shard(  # type: ignore[override]
+        self,
+        module: QuantEmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: Union[ShardingEnv, Dict[str, ShardingEnv]],
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> PgasQuantEmbeddingBagCollection:
+        if not isinstance(env, ShardingEnv) or env.process_group is None:
+            raise ValueError(f"{PGAS_TABLE_WISE}: a ShardingEnv with the process group of every rank is needed")
+        wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type != PGAS_TABLE_WISE}
+        if wrong:
+            raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {PGAS_TABLE_WISE} tables, not {wrong}")
+        owners = {t: int((p.ranks or [0])[0]) for t, p in params.items()}
+        return PgasQuantEmbeddingBagCollection(module, owners, env.process_group, self._pgas_options)
+
+    @property
+    def module_type(self) -> Type[QuantEmbeddingBagCollection]:
+        return QuantEmbeddingBagCollection
+
+
+def shard_quant_model(
+    model: nn.Module,
+    pg: dist.ProcessGroup,
+    owners: Optional[Mapping[str, int]] = None,
+    options: Optional[PgasOptions] = None,
+) -> nn.Module:
+    """Replaces, in place, every ``QuantEmbeddingBagCollection`` of ``model`` (the
+    output of TorchRec's ``quantize_embeddings``) by its ``pgas_table_wise`` sharding
+    over ``pg``; returns ``model``, whose forward is unchanged. ``owners``: table name
+    -> rank, for the tables of every such module (default: ``balanced_owners`` per
+    module). Collective: every rank of ``pg`` calls it with the same model and
+    placement."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    if isinstance(model, QuantEmbeddingBagCollection):
+        raise ValueError("shard_quant_model shards submodules: wrap the QuantEmbeddingBagCollection in a module")
+    world_size = dist.get_world_size(pg)
+    for name, m in targets:
+        names = {t.name for t in m.embedding_bag_configs()}
+        placed = (
+            {t: r for t, r in owners.items() if t in names}
+            if owners is not None
+            else balanced_owners(m.embedding_bag_configs(), world_size)
+        )
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PgasQuantEmbeddingBagCollection(m, placed, pg, options))
+    return model
