@@ -97,3 +97,17 @@ def test_torchrec_row_wise_on_cpu_says_to_use_pgas_row_wise(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "TorchRec's row_wise runs on GPUs only; on CPU use --sharding pgas_row_wise" in done.stdout + done.stderr
+
+
+def test_serves_the_checkpoint_quantized_under_pgas_table_wise(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_example(
+        "train.py", "--sharding", "pgas_table_wise", "--steps", "20", "--batch-size", "64", "--checkpoint", ckpt
+    )
+    out = run_example(
+        "infer.py", "--checkpoint", ckpt, "--shardings", "pgas_table_wise", "--batches", "4", "--batch-size", "64",
+        "--quant", "int8",
+    )  # fmt: skip
+    assert "AUROC float: " in out and "AUROC int8: " in out, out
+    gap = float(out.split("predictions of float and int8 (pgas_table_wise) differ by at most ")[1].split()[0])
+    assert 0 < gap < 0.02, out  # INT8 rows: one 255th of a row's range per element, before the MLPs

@@ -6,9 +6,14 @@ latency percentiles and throughput of each (and whether their predictions agree)
 
 The checkpoint may have been saved under any sharding: each model loads it through
 ``torch.distributed.checkpoint``, which reshards.
+
+``--quant int8|int4|fp16`` also quantizes the checkpoint's model with TorchRec's
+``quantize_embeddings`` and serves it ``pgas_table_wise`` (CPU), printing the AUROC of
+the float and the quantized model on the same requests.
 """
 
 import argparse
+import copy
 import itertools
 import statistics
 import time
@@ -18,7 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from data import random_batches
-from model import SHARDINGS, add_model_args, feature_names, shard
+from model import SHARDINGS, add_model_args, build, feature_names, shard
+from torchrec.datasets.utils import Batch
 from tqdm import tqdm
 
 from torchrec_pgas.process import finish, start_rank
@@ -31,8 +37,47 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=100)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=256, help="samples per rank")
+    p.add_argument("--quant", choices=sorted(QUANT_DTYPES), help="also serve the model quantized, pgas_table_wise")
     add_model_args(p)
     return p.parse_args()
+
+
+QUANT_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
+
+
+def serve_quantized(args: argparse.Namespace, requests: List[Batch]) -> None:
+    """Loads the checkpoint into the unsharded float model, quantizes its tables with
+    TorchRec's API, shards them ``pgas_table_wise`` and prints both models' AUROC."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    from torchrec_pgas.quant import shard_quant_model
+
+    model = build(args, torch.device("cpu"))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=args.checkpoint)
+    model.load_state_dict(state["model"])
+    model.eval()
+    float_model = copy.deepcopy(model)
+    quantize_embeddings(model, dtype=QUANT_DTYPES[args.quant], inplace=True)
+    shard_quant_model(model, dist.group.WORLD)
+    preds: Dict[str, List[torch.Tensor]] = {"float": [], args.quant: []}
+    with torch.no_grad():
+        for batch in tqdm(requests, desc=f"serve {args.quant}", disable=dist.get_rank() != 0):
+            preds["float"].append(torch.sigmoid(float_model(batch)[1][1]))
+            preds[args.quant].append(torch.sigmoid(model(batch)[1][1]))
+    labels = torch.cat([b.labels for b in requests])
+    mine = {k: torch.cat(v) for k, v in preds.items()}
+    everyone: List = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, labels))
+    if dist.get_rank() == 0:
+        import torchmetrics
+
+        all_labels = torch.cat([lab for _, lab in everyone]).int()
+        gap = max(float((p["float"] - p[args.quant]).abs().max()) for p, _ in everyone)
+        for kind in preds:
+            auroc = torchmetrics.AUROC(task="binary")(torch.cat([p[kind] for p, _ in everyone]), all_labels)
+            print(f"AUROC {kind}: {float(auroc):.4f}")
+        print(f"predictions of float and {args.quant} (pgas_table_wise) differ by at most {gap:.2e}")
 
 
 def _sync(device: torch.device) -> None:
@@ -47,6 +92,8 @@ def main() -> None:
         if s not in SHARDINGS:
             raise SystemExit(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
     device = start_rank()
+    if args.quant and device.type != "cpu":
+        raise SystemExit("--quant serves quantized tables on CPU ranks only so far")
     rank, world = dist.get_rank(), dist.get_world_size()
     requests = [
         b.to(device)
@@ -92,6 +139,8 @@ def main() -> None:
             diff = max(float((a - b).abs().max()) for a, b in zip(first, predictions[other]))
             verdict = "identical" if diff == 0 else f"differ by at most {diff:.2e}"
             print(f"predictions of {shardings[0]} and {other}: {verdict}")
+    if args.quant:
+        serve_quantized(args, [b.to(torch.device("cpu")) for b in requests])
     finish()
 
 
