@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.kernels.grads_put import PUT_DEST_WORDS
 from torchrec_pgas.kernels.ids_header import runs_of
 from torchrec_pgas.kernels.row_buckets import row_buckets
 from torchrec_pgas.transport.device_buffers import DeviceBuffers
@@ -138,6 +139,19 @@ class PeerTables:
     * ``grad_dests``: int64 [owners, 5], per table owner ``o``: ``o``, its first
       column, its columns, where this rank's rows start in its gradient slots, and
       word ``me`` of its ``grads_count`` (``grads_put``).
+
+    With ``put_path`` (some peer is served by NVSHMEM puts, ``DeviceBuffers.put_path``)
+    the kernels take their put-path tables instead, where such a peer's addresses
+    through the mapping are 0 and the put needs its PE and symmetric addresses (this
+    rank's address of the same symmetric word: NVSHMEM translates it): ``out_addrs[g]``
+    is ``[rows_put.PUT_ROWS, W]`` (those addresses, PEs, symmetric output blocks,
+    symmetric counter words, this rank's staging part for each requester),
+    ``out_free_words`` and ``ids_free_words`` are ``[output_take.PUT_ROWS, n]``
+    (addresses, PEs, symmetric free words) and ``grad_dests`` is ``[owners,
+    grads_put.PUT_DEST_WORDS]`` (the five words, then the owner's PE, the symmetric
+    gradient slot and counter word, and this rank's staging part for the owner).
+    Without it the tables are exactly the ones above, so the kernels compile and run
+    as if the put path did not exist.
     """
 
     def __init__(
@@ -149,24 +163,57 @@ class PeerTables:
         me: int,
         elem: int,
     ) -> None:
-        dev, rows = buffers.ids.device, buffers.sizes.rows
-        mine = output.my_block * rows * output.dim * elem
-        self.out_addrs = [buffers.out.peers + g * buffers.out_slot_bytes + mine for g in range(buffers.depth)]
-        self.my_counts = buffers.out_count.peers + me * 8
+        dev, rows, world = buffers.ids.device, buffers.sizes.rows, len(buffers.out_free_peers)
+        self.put_path = put = buffers.put_path
+        pes = list(range(world))
         word = 8 * me
-        self.out_free_words = torch.tensor(
-            [buffers.out_free_peers[o] + word for o in owners], dtype=torch.int64, device=dev
-        )
-        self.ids_free_words = torch.tensor([a + word for a in buffers.ids_free_peers], dtype=torch.int64, device=dev)
+
+        def sym(t: torch.Tensor, offset: int) -> List[int]:
+            return [t.data_ptr() + offset] * world
+
+        def staging(t: Optional[torch.Tensor], part: int) -> List[int]:
+            return [t.data_ptr() + q * part if t is not None else 0 for q in pes]
+
+        mine = output.my_block * rows * output.dim * elem
+        out_peers, count_peers = buffers.out.peers.tolist(), buffers.out_count.peers.tolist()
+        out_staging = staging(buffers.out_staging, buffers.out_staging_bytes)
+        self.out_addrs = []
+        for g in range(buffers.depth):
+            at = g * buffers.out_slot_bytes + mine
+            table = [_offset(out_peers, at), pes, sym(buffers.out.local, at), sym(buffers.out_count.local, word)]
+            self.out_addrs.append(_table(table + [out_staging], put, dev))
+        self.my_counts = torch.tensor(_offset(count_peers, word), dtype=torch.int64, device=dev)
+
+        def free_words(peers: List[int], sig: torch.Tensor, whose: Sequence[int]) -> torch.Tensor:
+            table = [_offset([peers[q] for q in whose], word), list(whose), [sig.data_ptr() + word] * len(whose)]
+            return _table(table, put, dev)
+
+        self.out_free_words = free_words(buffers.out_free_peers, buffers.out_free, owners)
+        self.ids_free_words = free_words(buffers.ids_free_peers, buffers.ids_free, pes)
         grads, counts = buffers.grads.peers.tolist(), buffers.grads_count.peers.tolist()
-        self.grad_dests = torch.tensor(
-            [
-                [o, output.col_offsets[o], dims[o], grads[o] + me * rows * dims[o] * elem, counts[o] + me * 8]
-                for o in owners
-            ],
-            dtype=torch.int64,
-            device=dev,
-        ).view(-1, 5)
+        grads_sym, counts_sym = buffers.grads.local.data_ptr(), buffers.grads_count.local.data_ptr()
+        grad_staging = staging(buffers.grad_staging, buffers.grad_staging_bytes)
+        dests = []
+        for o in owners:
+            at = me * rows * dims[o] * elem
+            mapped = _offset([grads[o]], at) + _offset([counts[o]], word)
+            dests.append(
+                [o, output.col_offsets[o], dims[o], *mapped, o, grads_sym + at, counts_sym + word, grad_staging[o]]
+            )
+        table = torch.tensor(dests, dtype=torch.int64, device=dev).view(-1, PUT_DEST_WORDS)
+        self.grad_dests = table if put else table[:, :5].contiguous()
+
+
+def _offset(addrs: Sequence[int], offset: int) -> List[int]:
+    """``addrs`` moved by ``offset`` bytes, but 0 (no peer mapping) stays 0."""
+    return [a + offset if a else 0 for a in addrs]
+
+
+def _table(rows: List[List[int]], put_path: bool, device: torch.device) -> torch.Tensor:
+    """The put-path table of ``rows`` (contiguous int64), or only its first row (the
+    addresses through the peer mapping) without the put path."""
+    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    return table if put_path else table[0].clone()
 
 
 def first_batch_sizes(

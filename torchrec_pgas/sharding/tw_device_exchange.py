@@ -34,6 +34,12 @@ kernels, so the host only enqueues a handful of launches per step:
   takes without a copy, whose fused optimizer applies the update exactly as under
   ``table_wise``. The owner releases them at its next backward, after FBGEMM's.
 
+Peers without a peer mapping (other nodes; every peer with
+``PgasOptions(remote_path="put")``) are served by the same launches compiled with
+``put_path``: rows and gradients go through local symmetric staging and NVSHMEM puts,
+counts and releases through NVSHMEM signals (``PeerTables``). Ids and the slots'
+releases always travel by NVSHMEM puts (``put_signal``), on either path.
+
 The class below reads in that order. Its symmetric memory is one ``DeviceBuffers``
 (``transport/device_buffers.py``: every buffer's shape, the waits and releases, and
 ``close``); the lookup batch and the step's route are in ``device_batch.py``; what
@@ -307,6 +313,7 @@ class DeviceTwExchange(BaseTwExchange):
             self._weighted,
             max(out_step - DEFAULT_DEPTH, 0),
             self._t.timeout_ns,
+            put_path=self._peers.put_path,
         )
         # The slots stay held until the output's take releases them.
         batch.route.ids_step = step
@@ -338,6 +345,7 @@ class DeviceTwExchange(BaseTwExchange):
                     out.col_offsets[me],
                     max(step - DEFAULT_DEPTH, 0),
                     self._t.timeout_ns,
+                    put_path=self._peers.put_path,
                 )
         ids_step = buffers.hand_over(route.ids_step)  # 0 if released since
         self._expected_rows += programs_per_requester(route.my_batch)
@@ -358,6 +366,7 @@ class DeviceTwExchange(BaseTwExchange):
             step,
             ids_step,
             self._t.timeout_ns,
+            put_path=self._peers.put_path,
         )
         self._check(route)
         return pooled
@@ -399,6 +408,7 @@ class DeviceTwExchange(BaseTwExchange):
             self._grad_scale if divide else 1.0,
             max(step - DEFAULT_DEPTH, 0),
             self._t.timeout_ns,
+            put_path=self._peers.put_path,
         )
         if self._dims[self._me] == 0:
             return grad_out.new_zeros(local_embs_shape)

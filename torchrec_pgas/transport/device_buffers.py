@@ -35,12 +35,23 @@ _FREED = (
     "grads",
     "grads_count",
     "grads_free",
+    "out_staging",
+    "grad_staging",
     "ids_slots",
     "out_views",
     "grad_views",
     "all_ranks",
     "_no_chunks",
 )
+
+
+#: Staging parts start at multiples of this many bytes (the put path's vector copies
+#: need 16).
+_STAGING_ALIGN = 128
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
 
 
 class Symmetric(NamedTuple):
@@ -109,7 +120,21 @@ class DeviceBuffers:
 
     Peer address tables, for the kernels that store into peers' memory: ``peers`` of
     each ``Symmetric`` (int64 ``[W]`` on the device), and ``out_free_peers`` and
-    ``ids_free_peers`` (host lists). ``all_ranks``: int32 ``[W]``, ``0 .. W - 1``.
+    ``ids_free_peers`` (host lists), 0 for a peer served by NVSHMEM puts instead
+    (``NvshmemTransport.direct``; ``put_path``: this rank has such a peer).
+    ``all_ranks``: int32 ``[W]``, ``0 .. W - 1``.
+
+    Staging, for the kernels' put path: the source of a put must be symmetric memory,
+    so rows for a peer without a mapping are stored into local symmetric staging and
+    put from there. Allocated only where some rank serves some peer by puts
+    (``puts_anywhere``, the same on every rank: the allocation is collective), and
+    sized alike on every rank; ``None`` otherwise.
+
+    * ``out_staging``: uint8 ``[W * out_staging_bytes]``: part ``q`` is laid out as
+      one block of ``q``'s output slot, ``[R, out_dim]`` (``rows_put`` and
+      ``lookup_put``, which run in stream order, share it).
+    * ``grad_staging``: uint8 ``[W * grad_staging_bytes]``: part ``o`` holds ``R``
+      gradient rows of owner ``o``'s columns (``grads_put``).
 
     Step bookkeeping: ``held`` is the ids step whose slots stay taken after their
     receive, for a lookup that pools straight from them (``hold``, ``release_held``,
@@ -138,6 +163,14 @@ class DeviceBuffers:
         self.grads = self._with_peers((depth * self.grad_slot_bytes,), torch.uint8)
         self.grads_count = self._with_peers((world,), torch.int64)
         self.grads_free = t.symmetric_tensor((world,), torch.int64)
+        self.out_staging: Optional[torch.Tensor] = None
+        self.grad_staging: Optional[torch.Tensor] = None
+        self.out_staging_bytes = _aligned(sizes.rows * sizes.out_dim * elem)
+        self.grad_staging_bytes = _aligned(sizes.rows * sizes.grad_dim * elem)
+        if t.puts_anywhere:
+            self.out_staging = t.symmetric_tensor((world * self.out_staging_bytes,), torch.uint8)
+            self.grad_staging = t.symmetric_tensor((world * self.grad_staging_bytes,), torch.uint8)
+        self.put_path = not all(t.direct)
         self.err = t.err
         self.out_free_peers: List[int] = t.peer_addresses(self.out_free).tolist()
         self.ids_free_peers: List[int] = t.peer_addresses(self.ids_free).tolist()
@@ -247,6 +280,7 @@ class DeviceBuffers:
             self.grads_count.local,
             self.grads_free,
         ]
+        tensors += [x for x in (self.out_staging, self.grad_staging) if x is not None]
         for name in _FREED:
             delattr(self, name)
         self._t.free_tensors(tensors)

@@ -8,7 +8,8 @@ a ``PgasTimeoutError`` on the host.
 """
 
 import logging
-from typing import Any, Dict, List, Optional, Set
+import os
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torchrec_pgas.transport.base import (
     Transport,
     raise_unless_every_rank_ready,
 )
+from torchrec_pgas.types import RemotePath
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,17 @@ _SETUP_HINT = (
     "install the GPU extra (pip install 'torchrec-pgas[gpu]': nvshmem4py-cu13, "
     "nvidia-nvshmem-cu13, triton) and run one process per GPU"
 )
+#: What a job whose ranks cannot all reach each other through NVSHMEM must set up.
+_REMOTE_HINT = (
+    "between nodes NVSHMEM needs a remote transport: set NVSHMEM_REMOTE_TRANSPORT=ibrc "
+    "(InfiniBand or RoCE, through a proxy thread), =ucx, or =ibgda with "
+    "NVSHMEM_IB_ENABLE_IBGDA=1 (GPU-initiated), and check that the NICs are visible to "
+    "every process; within a node, leave NVSHMEM_DISABLE_P2P unset and check `nvidia-smi "
+    "topo -m` and CUDA_VISIBLE_DEVICES; launch one process (one NVSHMEM PE) per GPU; "
+    "NVSHMEM_DEBUG=INFO lists the transports NVSHMEM found"
+)
+#: The longest the set-up waits for a probe of a peer without a peer mapping.
+_PROBE_TIMEOUT_S = 30.0
 _WHAT = {
     WAIT_SLOT_FREE.value: "a slot to be released",
     WAIT_OUT_FREE.value: "an output slot to be released",
@@ -63,9 +76,9 @@ _users = 0
 def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
     """Triton's kernel-load hook: NVSHMEM must initialize every module that may call it
     before its first launch."""
-    from torchrec_pgas.kernels.nvshmem_device import KERNELS_USING_NVSHMEM
+    from torchrec_pgas.kernels.nvshmem_device import needs_module_init
 
-    if module in _REGISTERED or name not in KERNELS_USING_NVSHMEM:
+    if module in _REGISTERED or not needs_module_init(name, metadata_group):
         return
     nvshmem, kernel_object = _import_nvshmem()
     nvshmem.module_init(kernel_object.from_handle(module))
@@ -79,9 +92,18 @@ class NvshmemTransport(Transport):
         pg: the process group (its ranks are the NVSHMEM PEs, in order).
         device: this rank's GPU.
         timeout_s: device-side waits give up after this long.
+        remote_path: which peers the kernels write into with plain stores through a
+            peer mapping and which through NVSHMEM puts (``PgasOptions.remote_path``).
+
+    After set-up, ``direct[q]`` says whether this rank stores into peer ``q`` through
+    its peer mapping (else the kernels' put path serves ``q``), and ``puts_anywhere``
+    whether any rank serves some peer by puts: the same on every rank, it decides
+    whether the exchanges allocate staging buffers (a collective).
     """
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, device: torch.device, timeout_s: float, remote_path: RemotePath = "auto"
+    ) -> None:
         import triton
 
         self.group = pg
@@ -121,7 +143,7 @@ class NvshmemTransport(Transport):
             # sets a signal word and takes a destination buffer.
             self._scratch_signals = self.symmetric_tensor((self.world_size,), torch.int64)
             self._scratch_bytes = self.symmetric_tensor((8,), torch.uint8)
-            self._check_peer_access()
+            self._choose_paths(remote_path)
         except Exception:
             self._release()
             raise
@@ -218,28 +240,71 @@ class NvshmemTransport(Transport):
             self._live = [x for x in self._live if x is not t]
             self._nvshmem.free_tensor(t)
 
-    def _check_peer_access(self) -> None:
-        """Raises on every rank if some rank cannot map another's memory (collective:
-        the others would wait for it in the next collective)."""
-        probe = self.symmetric_tensor((1,), torch.int64)
-        missing = [pe for pe in range(self.world_size) if self._nvshmem.get_peer_tensor(probe, pe) is None]
-        problem = None
-        if missing:
-            problem = (
-                f"no peer (NVLink/P2P) access to ranks {missing}: pgas sharding on GPU "
-                "needs every GPU of the group to reach every other (check `nvidia-smi "
-                "topo -m`, and CUDA_VISIBLE_DEVICES)"
-            )
+    def _choose_paths(self, remote_path: RemotePath) -> None:
+        """Sets ``direct`` and ``puts_anywhere`` (collective). Peers NVSHMEM gives no
+        peer mapping to (``nvshmem_ptr`` is null: another node) are probed with a
+        signal round trip first, so that a job whose NVSHMEM cannot reach them raises
+        here, on every rank, with what to set, rather than time out at its first step."""
+        world, me = self.world_size, self.rank
+        probe = self.symmetric_tensor((world,), torch.int64)
+        mapped = [pe == me or self._nvshmem.get_peer_tensor(probe, pe) is not None for pe in range(world)]
+        unmapped = [pe for pe in range(world) if not mapped[pe]]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, unmapped, group=self.group)
+        senders = [q for q, theirs in enumerate(everyone) if me in theirs]
+        problem = self._probe(probe, unmapped, senders) if unmapped or senders else None
         raise_unless_every_rank_ready(self.group, problem)
+        self.direct = [pe == me or (remote_path == "auto" and mapped[pe]) for pe in range(world)]
+        self.puts_anywhere = any(everyone) or (remote_path == "put" and world > 1)
         torch.cuda.synchronize(self.device)
         self.barrier()
 
+    def _probe(self, sig: torch.Tensor, to: Sequence[int], senders: Sequence[int]) -> Optional[str]:
+        """Sets word ``me`` of ``sig`` at every peer of ``to`` through NVSHMEM and waits
+        (a short while) for ``senders`` to set theirs here; returns what failed."""
+        from torchrec_pgas.kernels.put_signal import put_signal
+        from torchrec_pgas.kernels.signal_wait import signal_wait
+
+        who = (
+            f"no peer (NVLink/P2P) access to ranks {list(to)}"
+            if to
+            else f"ranks {list(senders)} have no peer (NVLink/P2P) access to this rank"
+        )
+        if os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "").lower() == "none":
+            return f"{who}, and NVSHMEM_REMOTE_TRANSPORT=none leaves NVSHMEM no way between them: {_REMOTE_HINT}"
+        dev = sig.device
+        try:
+            if to:
+                peers = torch.tensor(list(to), dtype=torch.int32, device=dev)
+                no_chunks = torch.empty(len(to), 0, 3, dtype=torch.int64, device=dev)
+                put_signal(peers, no_chunks, self._scratch_bytes, sig, self._scratch_signals, self.err,
+                           me=self.rank, step=1, free_target=0, timeout_ns=self.timeout_ns)  # fmt: skip
+            timeout_ns = int(min(self._timeout_s, _PROBE_TIMEOUT_S) * 1e9)
+            waited = torch.tensor(list(senders), dtype=torch.int32, device=dev)
+            signal_wait(sig, waited, 1, self.err, WAIT_DATA.value, timeout_ns)
+            torch.cuda.synchronize(dev)
+            arrived = sig.tolist()
+            self.err.zero_()
+        except Exception as e:  # a put NVSHMEM has no transport for may fail here
+            return f"{who}, and an NVSHMEM signal round trip with them failed ({type(e).__name__}: {e}): {_REMOTE_HINT}"
+        late = [q for q in senders if arrived[q] < 1]
+        if late:
+            return (
+                f"{who}, and NVSHMEM signals from ranks {late} did not arrive within "
+                f"{min(self._timeout_s, _PROBE_TIMEOUT_S):.0f} s: {_REMOTE_HINT}"
+            )
+        return None
+
     def peer_addresses(self, t: torch.Tensor) -> torch.Tensor:
-        """Addresses of every rank's copy of symmetric ``t`` in this process (int64 [world])."""
+        """Addresses of every rank's copy of symmetric ``t`` in this process (int64
+        [world]), 0 for a peer this rank serves by puts (``direct``)."""
         return torch.tensor(
-            [self._nvshmem.get_peer_tensor(t, pe).data_ptr() for pe in range(self.world_size)],
+            [
+                self._nvshmem.get_peer_tensor(t, pe).data_ptr() if self.direct[pe] else 0
+                for pe in range(self.world_size)
+            ],
             dtype=torch.int64,
-            device=self.device,
+            device=t.device,
         )
 
     # -------------------------------------------------------- Transport API

@@ -1,0 +1,261 @@
+"""The host side of the NVSHMEM put path on CPU: ``PgasOptions.remote_path``, which
+peers the transport serves by puts, the reachability probe of peers without a peer
+mapping, and the put-path tables the exchange hands its four launches.
+
+NVSHMEM is an nvshmem4py stand-in on CPU tensors (real processes, gloo), whose peer
+mappings are distinct fake addresses; the kernels are recorders. What the kernels do
+with the tables is the GPU tests' business (tests/test_gpu_shared.py).
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+from torchrec_pgas.kernels import grads_put, output_take, rows_put
+from torchrec_pgas.transport import PgasTransportUnavailableError
+from torchrec_pgas.types import PgasOptions
+
+#: Where the stand-in maps peer ``q``'s copy of a symmetric tensor: far from any real
+#: address, so a table entry tells which peer (and offset) it came from.
+_FAKE_PEER = 1 << 44
+
+
+def test_remote_path_takes_auto_or_put_only():
+    assert PgasOptions().remote_path == "auto"
+    assert PgasOptions(remote_path="put").remote_path == "put"
+    with pytest.raises(ValueError, match=r"remote_path must be one of \['auto', 'put'\], got 'puts'"):
+        PgasOptions(remote_path="puts")  # type: ignore[arg-type]
+
+
+def _fake_nvshmem(rank, unmapped, arrives=True):
+    """Installs the stand-in: this rank has no peer mapping to the ranks in
+    ``unmapped``; the probe's signals arrive if ``arrives``. Returns the kernels' calls."""
+    import numpy as np
+
+    import torchrec_pgas.kernels.put_signal as put_signal_module
+    import torchrec_pgas.kernels.signal_wait as signal_wait_module
+    import torchrec_pgas.transport.device_buffers as device_buffers
+    import torchrec_pgas.transport.nvshmem as transport
+
+    fake = types.ModuleType("nvshmem.core")
+    fake.NvshmemKernelObject = object
+    fake.get_unique_id = lambda empty: types.SimpleNamespace(_data=np.zeros(128, dtype=np.int8))
+    fake.init = lambda **kwargs: None
+    fake.finalize = lambda: None
+    fake.free_tensor = lambda t: None
+    fake.tensor = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
+
+    def get_peer_tensor(t, pe):
+        if pe == rank:
+            return t
+        if pe in unmapped:
+            return None
+        return types.SimpleNamespace(data_ptr=lambda: (pe + 1) * _FAKE_PEER + t.data_ptr() % _FAKE_PEER)
+
+    fake.get_peer_tensor = get_peer_tensor
+    sys.modules["nvshmem"] = types.ModuleType("nvshmem")
+    sys.modules["nvshmem.core"] = fake
+    transport._cuda_core_device = lambda index: None
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.synchronize = lambda device=None: None
+
+    calls = []
+
+    def put_signal(peers, chunks, *args, **kwargs):
+        calls.append(("put_signal", peers.tolist()))
+
+    def signal_wait(sig, peers, target, *args):
+        calls.append(("signal_wait", peers.tolist()))
+        if arrives:
+            sig[peers.long()] = target
+
+    put_signal_module.put_signal = put_signal
+    signal_wait_module.signal_wait = signal_wait
+    device_buffers.put_signal = put_signal
+    device_buffers.signal_wait = signal_wait
+    return calls
+
+
+def _transport(remote_path):
+    from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+    t = NvshmemTransport(dist.group.WORLD, torch.device("cuda", 0), timeout_s=5, remote_path=remote_path)
+    t.device = torch.device("cpu")  # what the exchange allocates on; the stand-in is on CPU
+    return t
+
+
+def _fake_address(q, local):
+    return (q + 1) * _FAKE_PEER + local % _FAKE_PEER
+
+
+def _exchange(transport, world, dims):
+    """A table-wise ``DeviceTwExchange`` whose rank ``r`` owns one table of ``dims[r]``
+    columns (none if 0), set up for a first batch of 5 samples."""
+    from torchrec_pgas.sharding.tw_base import TwFeature
+    from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
+
+    features = [[TwFeature(f"f{r}", f"t{r}", 10)] if dims[r] else [] for r in range(world)]
+    me = transport.rank
+    exchange = DeviceTwExchange(
+        transport,
+        group_sizes=[1] if dims[me] else [],
+        weighted=False,
+        lookup_reads_only_bags=True,
+        fused_lookup=False,
+        features_per_rank=features,
+        dim_sum_per_rank=dims,
+        out_dtype=torch.float32,
+        headroom=2.0,
+        name="pgas_table_wise",
+    )
+    features_total = sum(1 for f in features if f)
+    exchange._allocate(5, torch.arange(0, 5 * features_total + 1) * 2)
+    return exchange
+
+
+def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
+    """Checks every table entry against where the stand-in put each symmetric tensor,
+    and what reaches the launches of a step."""
+    from torchrec_pgas.sharding import tw_device_exchange
+    from torchrec_pgas.sharding.device_batch import DeviceRoute
+
+    unmapped = unmapped_by_rank.get(rank, [])
+    calls = _fake_nvshmem(rank, unmapped)
+    t = _transport(remote_path)
+    # The probe: this rank signals the ranks it has no mapping to, and waits for the
+    # ranks that have none to it.
+    to_me = [q for q, theirs in unmapped_by_rank.items() if rank in theirs]
+    expected_probe = ([("put_signal", unmapped)] if unmapped else []) + (
+        [("signal_wait", to_me)] if unmapped or to_me else []
+    )
+    assert calls == expected_probe, calls
+    direct = [q == rank or (remote_path == "auto" and q not in unmapped) for q in range(world_size)]
+    assert t.direct == direct
+    put = not all(direct)
+    assert t.puts_anywhere == (bool(unmapped_by_rank) or remote_path == "put")
+
+    dims = [8, 0, 12][:world_size] + [4] * (world_size - 3)
+    exchange = _exchange(t, world_size, dims)
+    b, p = exchange._buffers, exchange._peers
+    assert b.put_path == p.put_path == put
+    assert (b.out_staging is not None) == t.puts_anywhere == (b.grad_staging is not None)
+    rows, elem, me = b.sizes.rows, 4, rank
+    owners = [o for o in range(world_size) if dims[o]]
+
+    def mapped(q, local, offset):
+        if q == me:
+            return local + offset
+        return _fake_address(q, local) + offset if direct[q] else 0
+
+    out, count = b.out.local.data_ptr(), b.out_count.local.data_ptr()
+    for g, table in enumerate(p.out_addrs):
+        at = g * b.out_slot_bytes  # table-wise: one block; the kernel adds the column
+        first = [mapped(q, out, at) for q in range(world_size)]
+        if not put:
+            assert table.shape == (world_size,) and table.tolist() == first
+            continue
+        assert table.shape == (rows_put.PUT_ROWS, world_size) and table.is_contiguous()
+        staging = b.out_staging.data_ptr()
+        assert table.tolist() == [
+            first,
+            list(range(world_size)),
+            [out + at] * world_size,
+            [count + 8 * me] * world_size,
+            [staging + q * b.out_staging_bytes for q in range(world_size)],
+        ]
+        assert b.out_staging_bytes % 16 == 0 and b.out_staging_bytes >= rows * sum(dims) * elem
+    assert p.my_counts.tolist() == [mapped(q, count, 8 * me) for q in range(world_size)]
+
+    for words, sig, whose in (
+        (p.out_free_words, b.out_free.data_ptr(), owners),
+        (p.ids_free_words, b.ids_free.data_ptr(), list(range(world_size))),
+    ):
+        first = [mapped(q, sig, 8 * me) for q in whose]
+        if put:
+            assert words.shape == (output_take.PUT_ROWS, len(whose))
+            assert words.tolist() == [first, whose, [sig + 8 * me] * len(whose)]
+        else:
+            assert words.tolist() == first
+
+    grads, gcount = b.grads.local.data_ptr(), b.grads_count.local.data_ptr()
+    dests = p.grad_dests.tolist()
+    assert p.grad_dests.shape == (len(owners), grads_put.PUT_DEST_WORDS if put else 5)
+    for row, o in zip(dests, owners):
+        at = me * rows * dims[o] * elem
+        assert row[:5] == [o, sum(dims[:o]), dims[o], mapped(o, grads, at), mapped(o, gcount, 8 * me)]
+        if put:
+            staging = b.grad_staging.data_ptr() + o * b.grad_staging_bytes
+            assert row[5:] == [o, grads + at, gcount + 8 * me, staging]
+            assert b.grad_staging_bytes % 16 == 0 and b.grad_staging_bytes >= rows * dims[o] * elem
+
+    # A step: the four launches (kernels recorded) get the put path and its tables.
+    launched = {}
+
+    def recorder(name):
+        def launch(*args, **kwargs):
+            launched[name] = (args, kwargs)
+
+        return launch
+
+    for name in ("rows_put", "output_take", "grads_put"):
+        setattr(tw_device_exchange, name, recorder(name))
+    exchange._check = lambda route: None
+    batch = 5
+    record = torch.zeros(exchange._err_at + 4, dtype=torch.int64)
+    route = DeviceRoute(record=record, my_batch=batch, step=1)
+    exchange._my_batches.append(batch)
+    exchange.exchange_pooled(torch.zeros(world_size * rows, dims[me]), route)
+    grad = torch.ones(batch, sum(dims))
+    exchange.exchange_grads(grad, route, torch.Size([world_size * rows, dims[me]]), divide=True)
+    for name in ("rows_put", "output_take", "grads_put"):
+        if name == "rows_put" and not dims[me]:
+            assert name not in launched
+            continue
+        args, kwargs = launched[name]
+        assert kwargs == {"put_path": put}, (name, kwargs)
+    if dims[me]:
+        assert launched["rows_put"][0][2] is p.out_addrs[1]
+    assert launched["output_take"][0][4] is p.out_free_words and launched["output_take"][0][5] is p.ids_free_words
+    assert launched["grads_put"][0][1] is p.grad_dests
+    exchange.close()
+    t.close()
+
+
+def test_peers_on_another_node_get_put_tables_the_rest_mapped_addresses():
+    # Rank 2 is "on another node": neither side maps the other.
+    run_ranks(_tables_and_launches, 3, remote_path="auto", unmapped_by_rank={0: [2], 1: [2], 2: [0, 1]})
+
+
+def test_remote_path_put_serves_every_other_peer_by_puts():
+    run_ranks(_tables_and_launches, 3, remote_path="put", unmapped_by_rank={})
+
+
+def test_every_peer_mapped_keeps_the_tables_and_launches_of_the_direct_path():
+    run_ranks(_tables_and_launches, 2, remote_path="auto", unmapped_by_rank={})
+
+
+def _unreachable(rank, world_size, why):
+    unmapped = {0: [1], 1: [0]}[rank]
+    _fake_nvshmem(rank, unmapped, arrives=False)
+    if why == "none":
+        import os
+
+        os.environ["NVSHMEM_REMOTE_TRANSPORT"] = "none"
+    with pytest.raises(PgasTransportUnavailableError) as info:
+        _transport("auto")
+    message = str(info.value)
+    for r, q in ((0, 1), (1, 0)):
+        assert f"rank {r}: no peer (NVLink/P2P) access to ranks [{q}]" in message, message
+    detail = "NVSHMEM_REMOTE_TRANSPORT=none leaves" if why == "none" else "signals from ranks"
+    assert detail in message, message
+    for fix in ("NVSHMEM_REMOTE_TRANSPORT=ibrc", "NVSHMEM_IB_ENABLE_IBGDA=1", "one NVSHMEM PE"):
+        assert fix in message, message
+
+
+@pytest.mark.parametrize("why", ["no signal", "none"])
+def test_a_peer_nvshmem_cannot_reach_raises_on_every_rank_with_what_to_set(why):
+    run_ranks(_unreachable, 2, why=why)
