@@ -1,11 +1,13 @@
-"""The GPU path (NVSHMEM + Triton) with every rank on one GPU: world sizes 1 and 2.
+"""The GPU path (NVSHMEM + Triton) with every rank on one GPU: world sizes 1 and 2
+through peer mappings, and 2, 3 and 4 through NVSHMEM's put path
+(``PgasOptions(remote_path="put")``, the path between nodes).
 
 NCCL refuses two ranks on one GPU, so TorchRec's own sharding cannot be the oracle
 here: the process group is gloo, and the GPU model is checked against the host
 transport's model (same sharding, same FBGEMM lookups on the CPU) and a float64
 reference. Peer mappings between processes that share a GPU were reliable at world
-size 2 and not at 3 (shared/device/README.md), so larger worlds wait for NVSHMEM's
-put path.
+size 2 and not at 3 (shared/device/README.md): larger worlds take the put path, which
+stores into no peer's memory.
 
 Skipped without a GPU and nvshmem4py. On the GPU machine:
     python3 -m pytest -q tests/test_gpu_shared.py
@@ -52,35 +54,45 @@ def _placement(tables, owners, row_wise):
     return {t.name: rw if t.name in row_wise else pgas_tw(o) for t, o in zip(tables, owners)}
 
 
-def _pair(rank, world_size, tables, placement, weighted, fused=None):
-    """The same sharded model on the GPU (NVSHMEM) and on the CPU (host transport)."""
+#: The GPU model's options: peer mappings where NVSHMEM gives them (one GPU: every peer).
+DIRECT = PgasOptions(timeout_s=60)
+#: NVSHMEM puts to every peer, as between nodes.
+PUTS = PgasOptions(timeout_s=60, remote_path="put")
+
+
+def _pair(rank, world_size, tables, placement, weighted, fused=None, options=DIRECT):
+    """The same sharded model on the GPU (NVSHMEM, with ``options``) and on the CPU
+    (host transport)."""
     torch.cuda.set_device(GPU)
     ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
-    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=PgasOptions(timeout_s=60))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=options)
     gpu = shard(ref, placement, world_size, sharder, device=GPU, local_size=1)
     host = shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder(fused_params=fused))
     return ref, gpu, host
 
 
 #: (owners, row-wise tables, batch size per rank, pooling, weighted): a rank that owns no
-#: table, mean pooling, per-sample weights, and modules mixing both PGAS types.
+#: table, mean pooling, per-sample weights, and modules mixing both PGAS types. Owners
+#: are taken modulo the world size.
 FORWARD_CASES = [
-    ([0, 1, 0, 1], (), [64, 17], PoolingType.SUM, False),
-    ([1, 1, 1], (), [5, 33], PoolingType.MEAN, False),
-    ([0, 1, 1], (), [40, 40], PoolingType.SUM, True),
-    ([0, 0, 1, 1], ("t1", "t3"), [30, 9], PoolingType.SUM, False),
-    ([1, 0, 0], ("t0",), [12, 21], PoolingType.MEAN, True),
+    ([0, 1, 0, 1], (), [64, 17, 3, 26], PoolingType.SUM, False),
+    ([1, 1, 1], (), [5, 33, 20, 1], PoolingType.MEAN, False),
+    ([0, 1, 1], (), [40, 40, 11, 40], PoolingType.SUM, True),
+    ([0, 0, 1, 1], ("t1", "t3"), [30, 9, 14, 2], PoolingType.SUM, False),
+    ([1, 0, 0], ("t0",), [12, 21, 7, 16], PoolingType.MEAN, True),
+    ([3, 2, 1, 0], (), [13, 29, 6, 31], PoolingType.SUM, False),
 ]
 
 
-def _forward(rank, world_size):
+def _forward(rank, world_size, options=DIRECT):
     """Every case in one process group (each start of NVSHMEM costs seconds)."""
     for case, (owners, row_wise, batch_sizes, pooling, weighted) in enumerate(FORWARD_CASES):
         owners = [o % world_size for o in owners]
         for seed in range(2):
             torch.manual_seed(seed)
             tables = make_tables(len(owners), seed, pooling)
-            ref, gpu, host = _pair(rank, world_size, tables, _placement(tables, owners, row_wise), weighted)
+            placement = _placement(tables, owners, row_wise)
+            ref, gpu, host = _pair(rank, world_size, tables, placement, weighted, options=options)
             for step in range(4):
                 kjt = random_kjt(tables, batch_sizes[rank], 1000 * seed + 10 * step + rank, weighted)
                 with torch.no_grad() if step % 2 else torch.enable_grad():
@@ -98,16 +110,22 @@ def test_shared_gpu_forward_matches_host_and_reference(world_size):
     run_ranks(_forward, world_size)
 
 
-def _train(rank, world_size, owners, row_wise, batch_sizes):
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_gpu_put_path_forward_matches_host_and_reference(world_size):
+    run_ranks(_forward, world_size, options=PUTS)
+
+
+def _train(rank, world_size, owners, row_wise, batch_sizes, options=DIRECT):
     for optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
-        _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer)
+        _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options)
 
 
-def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer):
+def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options):
     tables = make_tables(len(owners), seed=7)
     torch.manual_seed(7)
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
-    ref, gpu, host = _pair(rank, world_size, tables, _placement(tables, owners, row_wise), False, fused)
+    placement = _placement(tables, owners, row_wise)
+    ref, gpu, host = _pair(rank, world_size, tables, placement, False, fused, options=options)
     for step in range(5):
         kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank)
         outs = []
@@ -131,6 +149,13 @@ def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer):
 def test_shared_gpu_training_matches_host(world_size):
     owners = [o % world_size for o in (0, 1, 1, 0)]
     run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_gpu_put_path_training_matches_host(world_size):
+    owners = [o % world_size for o in (0, 1, 2, 3)]
+    batch_sizes = [24, 7, 15, 30]
+    run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=batch_sizes, options=PUTS)
 
 
 def _bad_batches(rank, world_size):

@@ -259,3 +259,18 @@ def _unreachable(rank, world_size, why):
 @pytest.mark.parametrize("why", ["no signal", "none"])
 def test_a_peer_nvshmem_cannot_reach_raises_on_every_rank_with_what_to_set(why):
     run_ranks(_unreachable, 2, why=why)
+
+
+def _options_reach_the_transport(rank, world_size):
+    from torchrec_pgas.transport import get_transport
+
+    _fake_nvshmem(rank, unmapped=[])
+    gpu = torch.device("cuda", 0)
+    auto = get_transport(dist.group.WORLD, gpu, PgasOptions(transport="nvshmem", timeout_s=5))
+    put = get_transport(dist.group.WORLD, gpu, PgasOptions(transport="nvshmem", timeout_s=5, remote_path="put"))
+    assert auto.direct == [True] * world_size
+    assert put.direct == [q == rank for q in range(world_size)] and put.puts_anywhere
+
+
+def test_get_transport_honours_remote_path():
+    run_ranks(_options_reach_the_transport, 2)
