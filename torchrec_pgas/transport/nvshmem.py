@@ -168,7 +168,7 @@ class NvshmemTransport(Transport):
                 initializer_method="uid",
             )
         except Exception as e:
-            return f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; NVSHMEM_DEBUG=INFO shows why"
+            return f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; if the job spans nodes, {_REMOTE_HINT}"
         return None
 
     def _release(self) -> None:
