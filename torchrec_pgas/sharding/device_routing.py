@@ -177,7 +177,7 @@ class PeerTables:
         mine = output.my_block * rows * output.dim * elem
         out_peers, count_peers = buffers.out.peers.tolist(), buffers.out_count.peers.tolist()
         out_staging = staging(buffers.out_staging, buffers.out_staging_bytes)
-        self.out_addrs = []
+        self.out_addrs: List[torch.Tensor] = []
         for g in range(buffers.depth):
             at = g * buffers.out_slot_bytes + mine
             table = [_offset(out_peers, at), pes, sym(buffers.out.local, at), sym(buffers.out_count.local, word)]
