@@ -29,7 +29,7 @@ __all__ = [
     "get_transport",
 ]
 
-_TRANSPORTS: Dict[Tuple[int, str, float], Tuple[dist.ProcessGroup, Transport]] = {}
+_TRANSPORTS: Dict[Tuple[int, str, float, str], Tuple[dist.ProcessGroup, Transport]] = {}
 
 
 @atexit.register
@@ -68,7 +68,7 @@ def get_transport(pg: dist.ProcessGroup, device: torch.device, options: PgasOpti
     transport otherwise.
     """
     kind = _resolve_kind(device, options)
-    key = (id(pg), kind, options.timeout_s)
+    key = (id(pg), kind, options.timeout_s, options.remote_path)
     if key not in _TRANSPORTS:
         if kind == "host":
             from torchrec_pgas.transport.host import HostTransport
@@ -79,7 +79,7 @@ def get_transport(pg: dist.ProcessGroup, device: torch.device, options: PgasOpti
 
             _refuse_a_subgroup_for_nvshmem(pg)
 
-            transport = NvshmemTransport(pg, device, timeout_s=options.timeout_s)
+            transport = NvshmemTransport(pg, device, timeout_s=options.timeout_s, remote_path=options.remote_path)
         else:
             raise ValueError(f"unknown transport {kind!r}: expected 'auto', 'host' or 'nvshmem'")
         _TRANSPORTS[key] = (pg, transport)
