@@ -46,6 +46,8 @@ from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
 from torchrec_pgas.types import PgasOptions  # noqa: E402
 
 GPU = torch.device("cuda", 0)
+#: A test whose ranks still run after this long hangs: every wait times out in 60 s.
+DEADLINE_S = 240
 
 
 def _placement(tables, owners, row_wise):
@@ -107,12 +109,12 @@ def _forward(rank, world_size, options=DIRECT):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_shared_gpu_forward_matches_host_and_reference(world_size):
-    run_ranks(_forward, world_size)
+    run_ranks(_forward, world_size, deadline_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_gpu_put_path_forward_matches_host_and_reference(world_size):
-    run_ranks(_forward, world_size, options=PUTS)
+    run_ranks(_forward, world_size, options=PUTS, deadline_s=DEADLINE_S)
 
 
 def _train(rank, world_size, owners, row_wise, batch_sizes, options=DIRECT):
@@ -148,14 +150,22 @@ def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, opti
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_shared_gpu_training_matches_host(world_size):
     owners = [o % world_size for o in (0, 1, 1, 0)]
-    run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7])
+    run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7], deadline_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_gpu_put_path_training_matches_host(world_size):
     owners = [o % world_size for o in (0, 1, 2, 3)]
     batch_sizes = [24, 7, 15, 30]
-    run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=batch_sizes, options=PUTS)
+    run_ranks(
+        _train,
+        world_size,
+        owners=owners,
+        row_wise=("t2",),
+        batch_sizes=batch_sizes,
+        options=PUTS,
+        deadline_s=DEADLINE_S,
+    )
 
 
 def _bad_batches(rank, world_size):
@@ -217,4 +227,4 @@ def _bad_batches(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size):
-    run_ranks(_bad_batches, world_size)
+    run_ranks(_bad_batches, world_size, deadline_s=DEADLINE_S)
