@@ -1,6 +1,7 @@
-"""The table-wise algorithm on a one-sided transport.
-
-Forward, for a step ``k``:
+"""The host exchange: one algorithm on a one-sided transport, for table-wise and row-wise
+shardings alike, configured by how ids are routed (``host_routing.HostIdsRouting``)
+and where owners put pooled rows (``host_routing.HostOutput``). Table-wise (the
+default strategies) forward, for a step ``k``:
 
 1. ``send_ids``: every source puts, for every owner, a slot with the lengths, ids and
    weights of the features whose tables that owner holds, then signals it. No sizes
@@ -14,10 +15,13 @@ Forward, for a step ``k``:
 Backward: ``exchange_grads`` puts each owner's column block of the output gradient
 into that owner's per-source slot; the owner stacks them in lookup order and hands
 them to TorchRec's lookup, whose fused optimizer applies the update.
+
+Row-wise (``rw_exchange``) routes ids by row block and has every owner put whole
+partial rows, which the requester sums; its owners' column blocks are every column.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +29,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding.exchange import HostBatch
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, with_float32_weights
-from torchrec_pgas.transport import Mailbox
+from torchrec_pgas.sharding.host_routing import ColumnBlockOutput, HostIdsRouting, HostOutput, TableWiseHostIds
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
+from torchrec_pgas.transport import Mailbox, Transport
 
 
 @dataclass(frozen=True)
@@ -40,16 +45,26 @@ class Route:
 
 
 class TwExchange(BaseTwExchange):
-    """Moves one table-wise sharding's ids, pooled rows and gradients through any
-    ``Transport`` with host-side sizes (the host transport); see ``BaseTwExchange``
-    for the arguments."""
+    """Moves one sharding's ids, pooled rows and gradients through any ``Transport``
+    with host-side sizes (the host transport): the arguments of ``BaseTwExchange``,
+    plus which owner gets which ids (``routing``, default ``TableWiseHostIds``) and
+    where owners put pooled rows (``output``, default ``ColumnBlockOutput``: each owner
+    at its columns). ``RwExchange`` gives it the row-wise ones."""
 
     _ids: Optional[Mailbox] = None
     _out: Optional[Mailbox] = None
     _grads: Optional[Mailbox] = None
-    #: Whether every owner sends a whole output row to sum (row-wise) rather than its
-    #: column block (table-wise): then each owner has its own output slot.
-    _partial_sums = False
+
+    def __init__(
+        self,
+        transport: Transport,
+        routing: Optional[HostIdsRouting] = None,
+        output: Optional[HostOutput] = None,
+        **plan: Any,
+    ) -> None:
+        super().__init__(transport, **plan)
+        self._routing: HostIdsRouting = routing if routing is not None else TableWiseHostIds()
+        self._output: HostOutput = output if output is not None else ColumnBlockOutput(self._dims, transport.rank)
 
     # ----------------------------------------------------------------- set-up
 
@@ -62,7 +77,9 @@ class TwExchange(BaseTwExchange):
         elem = self._elem
         rows = layout.batch_capacity
         self._ids = Mailbox(self._t, layout.nbytes, True, f"{self._name} ids")
-        self._out = Mailbox(self._t, rows * self._dim_total * elem, self._partial_sums, f"{self._name} pooled rows")
+        self._out = Mailbox(
+            self._t, rows * self._dim_total * elem, self._output.per_source, f"{self._name} pooled rows"
+        )
         self._grads = Mailbox(self._t, rows * max(self._dims) * elem, True, f"{self._name} gradients")
         self._layout = layout  # last: set only once every buffer is
 
@@ -96,11 +113,12 @@ class TwExchange(BaseTwExchange):
             )
         return ok
 
+    def _routable(self, pos: List[int]) -> bool:
+        return self._routing.routable(pos)
+
     def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``kjt`` with each owner's features contiguous, owner by owner: the
-        sharding's order, in which TorchRec orders features by rank (a batch in the
-        order ``adopt_input_order`` took is permuted into it)."""
-        return with_float32_weights(kjt).permute(self._input_pos) if self._reordered else kjt
+        """``kjt`` with each owner's features contiguous, owner by owner (``routing``)."""
+        return self._routing.by_owner(kjt, self._input_pos if self._reordered else None)
 
     def _send(self, kjt: KeyedJaggedTensor) -> int:
         problem = self._host_problem(kjt)
@@ -211,39 +229,28 @@ class TwExchange(BaseTwExchange):
     # ---------------------------------------------------------- pooled forward
 
     def exchange_pooled(self, local_embs: torch.Tensor, route: Route) -> torch.Tensor:
-        """Puts each requester's pooled rows at its output; returns this rank's output."""
+        """Puts each requester's pooled rows into its output slot; returns this rank's
+        output (``output`` says where the rows go and how they are combined)."""
         box = self._out
         assert box is not None
         self._out_step += 1
         step = self._out_step
         me = self._t.rank
-        elem = self._elem
-        pitch = self._dim_total * elem
         if self._dims[me] > 0:
             rows = local_embs.detach().to(self._out_dtype).split(route.batch_sizes)
             for requester, block in enumerate(rows):
                 base = box.begin_send(requester, step)
-                self._t.put_rows(box.buffer, requester, base + self._col_offsets[me] * elem, pitch, block)
+                self._output.put(self._t, box.buffer, requester, base, block)
                 box.end_send(requester, step)
-        batch = route.batch_sizes[me]
-        for owner in self._owners_with_tables:
-            box.wait(owner, step)
-        out = (
-            box.slot(me, step)[: batch * pitch]
-            .view(self._out_dtype)
-            .view(batch, self._dim_total)
-            .clone()  # the slot is reused two steps on, the output may live longer
-        )
-        for owner in self._owners_with_tables:
-            box.release(owner, step)
-        return out
+        return self._output.take(box, step, route.batch_sizes[me], self._out_dtype)
 
     # ---------------------------------------------------------------- backward
 
     def exchange_grads(
         self, grad_out: torch.Tensor, route: Route, local_embs_shape: torch.Size, divide: bool
     ) -> torch.Tensor:
-        """Puts each owner's block of ``grad_out``; returns the gradient of the
+        """Puts each owner's block of ``grad_out`` (its columns, from
+        ``output.col_offsets``: row-wise, every column); returns the gradient of the
         local pooled embeddings, rows in lookup order (divided by the world size if
         ``divide``)."""
         box = self._grads
@@ -253,7 +260,7 @@ class TwExchange(BaseTwExchange):
         me = self._t.rank
         grad_out = grad_out.to(self._out_dtype)
         for owner in self._owners_with_tables:
-            c0 = self._col_offsets[owner]
+            c0 = self._output.col_offsets[owner]
             base = box.begin_send(owner, step)
             self._t.put(box.buffer, owner, base, grad_out[:, c0 : c0 + self._dims[owner]].contiguous())
             box.end_send(owner, step)
