@@ -1,13 +1,19 @@
-"""The hardware floor of a table-wise embedding forward, in two parts.
+"""The hardware floor of an embedding forward, in two parts.
 
-Per configuration, the busiest rank (the owner of the most tables) must
+Per configuration, with the tables placed as ``config.table_specs`` says (table-wise
+on an owner, or row-wise over every rank), the busiest rank must
 
 * read from memory every row its lookups touch, plus the ids, and write its pooled
   rows: ``memory_bytes``, at the device's memory bandwidth (``copy_gbps``: a large
   device-to-device copy, bytes read plus written) gives ``memory_ms``;
-* send the ids of the tables it does not own, and the pooled rows of its tables that
-  other ranks asked for: ``link_bytes``, at the link bandwidth (``link_gbps``) gives
-  ``link_ms``.
+* send the ids that other ranks' rows answer, and the pooled rows (whole for a
+  table-wise table, partial sums for a row-wise one) that other ranks asked for:
+  ``link_bytes``, at the link bandwidth (``link_gbps``) gives ``link_ms``.
+
+Each rank's bytes are the sum of its tables' (``table_traffic``), so mixed placements
+add up; the busiest rank is the one with the most of either part. Row-wise tables
+assume ids spread evenly over the row ranges (uniform ids, or Zipf's hot rows
+scattered by a permutation, as ``workload`` draws them).
 
 The link bandwidth is what the sharding's own puts can reach: on GPUs, a put+signal
 of tens of MiB issued from the device by many blocks at once (``put_signal``'s kernel,
@@ -26,7 +32,6 @@ The bandwidths alone, at several sizes, on every process of a launch:
     torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark.floor
 """
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from torchrec_pgas.benchmark.config import Config
+from torchrec_pgas.benchmark.config import Config, TableSpec, table_specs
 from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PgasOptions
 
@@ -68,15 +73,33 @@ class Floor:
         return max(self.memory_ms, self.link_ms)
 
 
+def table_traffic(spec: TableSpec, cfg: Config, rank: int) -> Traffic:
+    """One table's share of ``rank``'s traffic in one forward.
+
+    Table-wise, its owner looks up every rank's ids and writes every rank's pooled
+    rows, and sends the other ranks theirs; another rank sends it its ids. Row-wise,
+    every rank looks up the ``1 / ranks`` of all ids that fall in its rows, writes a
+    partial sum for every sample of every rank, sends the others theirs, and sends out
+    the ``(ranks - 1) / ranks`` of its own ids that other ranks' rows answer."""
+    row, ids = cfg.dim * _ELEM_BYTES, cfg.batch_size * spec.ids_per_bag
+    peers = cfg.ranks - 1
+    if spec.row_wise:
+        memory = ids * (row + _ID_BYTES) + cfg.ranks * cfg.batch_size * row
+        return Traffic(memory, ids * peers // cfg.ranks * _ID_BYTES + peers * cfg.batch_size * row)
+    if spec.rank != rank:
+        return Traffic(0, ids * _ID_BYTES)
+    memory = cfg.ranks * ids * (row + _ID_BYTES) + cfg.ranks * cfg.batch_size * row
+    return Traffic(memory, peers * cfg.batch_size * row)
+
+
 def traffic(cfg: Config) -> Traffic:
-    """The busiest rank's memory and link traffic of one forward (see module doc)."""
-    owned = math.ceil(cfg.tables / cfg.ranks)
-    lookups = owned * cfg.ranks * cfg.batch_size * cfg.ids_per_bag
-    pooled = owned * cfg.ranks * cfg.batch_size * cfg.dim * _ELEM_BYTES
-    memory = lookups * (cfg.dim * _ELEM_BYTES + _ID_BYTES) + pooled
-    remote_ids = (cfg.tables - owned) * cfg.batch_size * cfg.ids_per_bag * _ID_BYTES
-    remote_rows = owned * (cfg.ranks - 1) * cfg.batch_size * cfg.dim * _ELEM_BYTES
-    return Traffic(memory_bytes=memory, link_bytes=remote_ids + remote_rows if cfg.ranks > 1 else 0)
+    """The busiest rank's memory and link traffic of one forward (see module doc):
+    each part the most of any rank's (no link at all on a single rank)."""
+    specs = table_specs(cfg)
+    per_rank = [[table_traffic(s, cfg, r) for s in specs] for r in range(cfg.ranks)]
+    memory = max(sum(t.memory_bytes for t in ts) for ts in per_rank)
+    link = max(sum(t.link_bytes for t in ts) for ts in per_rank) if cfg.ranks > 1 else 0
+    return Traffic(memory_bytes=memory, link_bytes=link)
 
 
 def floor(cfg: Config, copy_gbps: float, link_gbps: float) -> Floor:

@@ -13,19 +13,29 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, r
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM
 
-from torchrec_pgas.benchmark.config import Config
+from torchrec_pgas.benchmark.config import Config, TableSpec, table_specs
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
 
 DENSE_FEATURES = 13
 
-#: How each sharding type places table ``i`` over ``ranks`` ranks.
-PLACEMENTS: Dict[str, Callable[[int, int], ParameterSharding]] = {
-    "table_wise": lambda i, ranks: table_wise(rank=i % ranks, compute_kernel="fused"),
-    "pgas_table_wise": lambda i, ranks: pgas_table_wise(rank=i % ranks, compute_kernel="fused"),
-    "row_wise": lambda i, ranks: row_wise(compute_kernel="fused"),
-    "pgas_row_wise": lambda i, ranks: pgas_row_wise(compute_kernel="fused"),
+#: How each sharding type places a table whose table-wise owner is the given rank.
+PLACEMENTS: Dict[str, Callable[[int], ParameterSharding]] = {
+    "table_wise": lambda rank: table_wise(rank=rank, compute_kernel="fused"),
+    "pgas_table_wise": lambda rank: pgas_table_wise(rank=rank, compute_kernel="fused"),
+    "row_wise": lambda rank: row_wise(compute_kernel="fused"),
+    "pgas_row_wise": lambda rank: pgas_row_wise(compute_kernel="fused"),
 }
+
+
+def placement(sharding: str, spec: TableSpec) -> ParameterSharding:
+    """``spec``'s sharding under ``sharding``: one sharding type for every table, or
+    "SMALL+BIG" (``pgas_table_wise+pgas_row_wise``): the second for the tables the
+    plan puts row-wise, the first for the rest, in one module."""
+    kinds = sharding.split("+")
+    if len(kinds) > 2 or any(k not in PLACEMENTS for k in kinds):
+        raise ValueError(f"unknown sharding {sharding!r}: expected one of {sorted(PLACEMENTS)} or SMALL+BIG of them")
+    return PLACEMENTS[kinds[-1] if spec.row_wise else kinds[0]](spec.rank)
 
 
 class _Holder(nn.Module):
@@ -56,16 +66,17 @@ class _Dlrm(nn.Module):
 
 def _tables(cfg: Config) -> List[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{i}"])
-        for i in range(cfg.tables)
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=s.rows, feature_names=[f"f{i}"])
+        for i, s in enumerate(table_specs(cfg))
     ]
 
 
 def build(
     cfg: Config, sharding: str, device: torch.device, pg: dist.ProcessGroup, dlrm: bool = False
 ) -> DistributedModelParallel:
-    """An EBC (or a DLRM around it) with every table sharded by ``sharding`` over
-    ``pg``, trained by fused ``EXACT_SGD``, with weights drawn per table from its seed."""
+    """An EBC (or a DLRM around it) with its tables sharded by ``sharding`` (see
+    ``placement``) over ``pg``, trained by fused ``EXACT_SGD``, with weights drawn per
+    table from its seed."""
     torch.manual_seed(0)  # the DLRM's dense layers: the same on every rank and sharding
     ebc = EmbeddingBagCollection(tables=_tables(cfg), device=torch.device("meta"))
     module: nn.Module = _Dlrm(ebc, cfg.dim, device) if dlrm else _Holder(ebc)
@@ -75,7 +86,7 @@ def build(
     )
     plan = construct_module_sharding_plan(
         ebc,
-        per_param_sharding={t.name: PLACEMENTS[sharding](i, cfg.ranks) for i, t in enumerate(_tables(cfg))},
+        per_param_sharding={f"t{i}": placement(sharding, s) for i, s in enumerate(table_specs(cfg))},
         world_size=cfg.ranks,
         local_size=cfg.ranks,
         device_type=device.type,
@@ -89,33 +100,53 @@ def build(
         sharders=[sharder],
         init_data_parallel=False,
     )
+    specs = table_specs(cfg)
     for key, value in dmp.state_dict().items():
         if "embedding_bags.t" not in key:
             continue
         table = int(key.split("embedding_bags.t")[1].split(".")[0])
         g = torch.Generator(device=device).manual_seed(table)
-        full = torch.rand(cfg.rows, cfg.dim, generator=g, device=device) * 0.02 - 0.01
+        full = torch.rand(specs[table].rows, cfg.dim, generator=g, device=device) * 0.02 - 0.01
         for shard in value.local_shards():
             (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             shard.tensor.detach().copy_(full[r : r + nr, c : c + nc])
     return dmp
 
 
+def _draw(
+    spec: TableSpec, count: int, zipf_alpha: float, seed: int, g: torch.Generator, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """``count`` ids of one table per call: uniform, or row k (1-based) with probability
+    proportional to k^-alpha, the hot rows scattered over the table by a permutation
+    fixed per table (so that row-wise shards each get some)."""
+    if not zipf_alpha:
+        return lambda: torch.randint(0, spec.rows, (count,), generator=g, device=device)
+    weights = torch.arange(1, spec.rows + 1, device=device, dtype=torch.float64).pow(-zipf_alpha)
+    scatter = torch.randperm(spec.rows, generator=torch.Generator(device=device).manual_seed(seed), device=device)
+    return lambda: scatter[torch.multinomial(weights, count, replacement=True, generator=g)]
+
+
 def batches(cfg: Config, device: torch.device, n: int, rank: int) -> List[KeyedJaggedTensor]:
-    """``n`` batches of ``cfg.batch_size`` samples with ``cfg.ids_per_bag`` ids per bag."""
+    """``n`` batches of ``cfg.batch_size`` samples, each table's bags of its
+    ``ids_per_bag`` ids."""
     g = torch.Generator(device=device).manual_seed(1000 + rank)
-    lengths = torch.full((cfg.tables * cfg.batch_size,), cfg.ids_per_bag, dtype=torch.int64, device=device)
-    count = cfg.tables * cfg.batch_size * cfg.ids_per_bag
-    if cfg.zipf_alpha:
-        # Row k (1-based) drawn with probability proportional to k^-alpha, hot rows
-        # scattered over the table by a fixed permutation.
-        weights = torch.arange(1, cfg.rows + 1, device=device, dtype=torch.float64).pow(-cfg.zipf_alpha)
-        scatter = torch.randperm(cfg.rows, generator=torch.Generator(device=device).manual_seed(7), device=device)
-        draw = lambda: scatter[torch.multinomial(weights, count, replacement=True, generator=g)]  # noqa: E731
-    else:
-        draw = lambda: torch.randint(0, cfg.rows, (count,), generator=g, device=device)  # noqa: E731
-    keys = [f"f{i}" for i in range(cfg.tables)]
-    return [KeyedJaggedTensor(keys=keys, values=draw(), lengths=lengths) for _ in range(n)]
+    specs = table_specs(cfg)
+    lengths = torch.tensor([s.ids_per_bag for s in specs], dtype=torch.int64, device=device)
+    lengths = lengths.repeat_interleave(cfg.batch_size)
+    draws = [_draw(s, cfg.batch_size * s.ids_per_bag, cfg.zipf_alpha, 7 + i, g, device) for i, s in enumerate(specs)]
+    keys = [f"f{i}" for i in range(len(specs))]
+    return [
+        KeyedJaggedTensor(keys=keys, values=torch.cat([draw() for draw in draws]), lengths=lengths) for _ in range(n)
+    ]
+
+
+def pooled_by_table(model: DistributedModelParallel, kjt: KeyedJaggedTensor) -> torch.Tensor:
+    """The EBC's pooled rows of ``kjt`` as [batch, tables, dim] in table order: a
+    sharded EBC orders its output keys by its own grouping (by owner, by sharding
+    type), which differs between shardings of the same tables."""
+    with torch.no_grad():
+        pooled = model.module.ebc(kjt).to_dict()
+    return torch.stack([pooled[key] for key in kjt.keys()], dim=1).clone()
 
 
 def steps(
