@@ -2,6 +2,7 @@
 two CPU processes that writes its JSON, markdown and plot. Speed itself is shown by
 running the suite, never by a test."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -11,9 +12,20 @@ import sys
 
 import pytest
 import torch
+from torchrec import EmbeddingBagCollection
 
-from torchrec_pgas.benchmark.config import Config, scenarios
+from torchrec_pgas.benchmark.config import (
+    CRITEO_ROWS,
+    ROW_WISE_ABOVE,
+    Config,
+    batch_sweep,
+    dlrm_config,
+    scenarios,
+    table_specs,
+)
 from torchrec_pgas.benchmark.floor import floor, link_chunks, traffic
+from torchrec_pgas.benchmark.workload import embedding_configs, module_plan, placement
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
 
 def test_weak_scaling_keeps_per_rank_work_and_strong_scaling_keeps_the_global_work():
@@ -37,6 +49,83 @@ def test_traffic_counts_the_busiest_owner():
     assert math.isclose(parts.link_ms, t.link_bytes / 0.5 / 1e6)
     assert parts.floor_ms == max(parts.memory_ms, parts.link_ms)  # overlapped: the slower part
     assert floor(Config(tables=3, ranks=1), copy_gbps=1.0, link_gbps=0.0).link_ms == 0.0  # nothing crosses
+
+
+def test_dlrm_tables_span_orders_of_magnitude_and_follow_the_placement_rule():
+    for scale, ranks in ((1.0, 2), (0.25, 8), (1e-4, 2), (1e-4, 3)):
+        cfg = dlrm_config(Config(dim=16, ranks=ranks), scale)
+        specs = table_specs(cfg)
+        rows = [s.rows for s in specs]
+        assert len(specs) == cfg.tables == 26
+        assert math.log10(max(rows) / min(rows)) >= 3, rows  # orders of magnitude apart
+        assert rows == list(CRITEO_ROWS) if scale == 1.0 else max(rows) <= math.ceil(40e6 * scale)
+        pooling = [s.ids_per_bag for s in specs]
+        assert min(pooling) == 1 and max(pooling) == 100 and sum(p <= 3 for p in pooling) > len(pooling) / 2
+        # Big tables (full size) row-wise, whatever the scale; the rest table-wise.
+        assert [s.row_wise for s in specs] == [r > ROW_WISE_ABOVE for r in CRITEO_ROWS]
+        assert sum(s.row_wise for s in specs) == 6
+        # Table-wise tables balanced by lookup traffic: every rank gets some, and no
+        # rank exceeds the lightest by more than one table's load.
+        load = [0] * ranks
+        for s in specs:
+            if not s.row_wise:
+                load[s.rank] += s.ids_per_bag * (16 * 4 + 8) + 16 * 4
+        heaviest_table = max(s.ids_per_bag * (16 * 4 + 8) + 16 * 4 for s in specs if not s.row_wise)
+        assert min(load) > 0 and max(load) - min(load) <= heaviest_table, load
+        assert cfg.zipf_alpha == 1.05 and "zipf 1.05" in cfg.label() and "6 row-wise" in cfg.label()
+    with pytest.raises(ValueError, match="scale must be in"):
+        table_specs(dlrm_config(Config(), 0.0))
+    with pytest.raises(ValueError, match="unknown table shape 'zipfian'"):
+        table_specs(Config(shape="zipfian"))
+    with pytest.raises(ValueError, match="batch sizes must be positive"):
+        batch_sweep([Config()], [512, 0])
+    assert [c.batch_size for c in batch_sweep(scenarios(Config(), 2)["dlrm"], [512, 65536])] == [512, 65536]
+
+
+def test_mixed_plan_places_each_table_by_its_side_in_one_module():
+    cfg = dlrm_config(Config(dim=8, ranks=2), 1e-4)
+    specs = table_specs(cfg)
+    ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=torch.device("meta"))
+    sharder = PgasEmbeddingBagCollectionSharder()
+    for sharding, small, big in (
+        ("pgas_table_wise+pgas_row_wise", "pgas_table_wise", "pgas_row_wise"),
+        ("table_wise", "table_wise", "table_wise"),  # one type: every table
+    ):
+        plan = module_plan(cfg, sharding, ebc, "cpu", sharder)
+        assert [plan[f"t{i}"].sharding_type for i in range(26)] == [big if s.row_wise else small for s in specs]
+        assert all(plan[f"t{i}"].ranks == [s.rank] for i, s in enumerate(specs) if not s.row_wise)
+        assert all(
+            plan[f"t{i}"].ranks == [0, 1] for i, s in enumerate(specs) if s.row_wise and big.endswith("row_wise")
+        )
+    with pytest.raises(ValueError, match="unknown sharding 'table_wise\\+grid'"):
+        placement("table_wise+grid", specs[0])
+
+
+def test_floor_of_a_mixed_plan_adds_each_placements_traffic():
+    b, dim, row = 4, 8, 32
+    cfg = dlrm_config(Config(dim=dim, batch_size=b, ranks=2), 1e-4)
+    specs = table_specs(cfg)
+    rw_ids = sum(s.ids_per_bag for s in specs if s.row_wise)
+    rw = len([s for s in specs if s.row_wise])
+    memory, link = [], []
+    for r in range(2):
+        mine = [s for s in specs if not s.row_wise and s.rank == r]
+        theirs = [s for s in specs if not s.row_wise and s.rank != r]
+        # Row-wise: half of all ranks' ids (each rank's own count) hit my rows; a partial
+        # sum for every sample of both ranks; half my ids and one partial sum per sample out.
+        memory.append(
+            b * rw_ids * (row + 8)
+            + rw * 2 * b * row
+            + sum(2 * b * s.ids_per_bag * (row + 8) + 2 * b * row for s in mine)
+        )
+        link.append(
+            b * rw_ids // 2 * 8 + rw * b * row + len(mine) * b * row + sum(b * s.ids_per_bag * 8 for s in theirs)
+        )
+    t = traffic(cfg)
+    assert (t.memory_bytes, t.link_bytes) == (max(memory), max(link))
+    single = traffic(dataclasses.replace(cfg, ranks=1))  # one rank does every lookup, sends nothing
+    assert single.link_bytes == 0
+    assert single.memory_bytes == sum(b * s.ids_per_bag * (row + 8) + b * row for s in specs)
 
 
 def test_link_measurement_puts_every_byte_once_from_many_blocks():
@@ -148,3 +237,43 @@ def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
             assert os.path.getsize(os.path.join(out, f"torch_profile_{s}_{step}.txt")) > 0
             with open(os.path.join(out, f"torch_profile_{s}_{step}_rank{rank}.json")) as f:
                 assert json.load(f)["traceEvents"], (s, step, rank)
+
+
+def test_dlrm_batch_sweep_runs_on_two_cpu_processes_and_compares_outputs(tmp_path):
+    out = str(tmp_path / "dlrm")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "torchrec_pgas.benchmark", "--suite", "r1,dlrm", "--scale", "1e-4", "--batch-sizes", "16,40"]
+    cmd += ["--tables", "3", "--rows", "200", "--dim", "8", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1"]
+    cmd += ["--out", out]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    # TorchRec's row_wise is GPU only: on CPUs the big tables meet its table_wise, and the run says so.
+    assert "TorchRec offers no row_wise on cpu" in done.stdout
+    with open(os.path.join(out, "results.json")) as f:
+        rows = json.load(f)["rows"]
+    assert [(r["scenario"], r["short"], r["config"]["batch_size"]) for r in rows] == [
+        ("r1", "16", 16),
+        ("r1", "40", 40),
+        ("dlrm", "16", 16),
+        ("dlrm", "40", 40),
+    ]
+    r1, dlrm = rows[:2], rows[2:]
+    assert all(r["identical"] and r["pair"] == ["table_wise", "pgas_table_wise"] for r in r1)
+    for r in dlrm:
+        assert r["pair"] == ["table_wise", "pgas_table_wise+pgas_row_wise"] and r["config"]["shape"] == "dlrm"
+        # Tables both sides place table-wise: bit for bit; ours row-wise against their
+        # table-wise: the same sums in another order (weights within 0.01, up to 100 ids).
+        assert r["max_diff_by_placement"]["table_wise"] == 0.0, r["max_diff_by_placement"]
+        assert r["max_diff_by_placement"]["row_wise"] < 1e-5, r["max_diff_by_placement"]
+        assert r["max_diff"] == max(r["max_diff_by_placement"].values())
+        assert all(r["ours"][k] > 0 and r["baseline"][k] > 0 for k in ("forward_ms", "dlrm_ms", "train_ms"))
+    # The floor's parts, from the mixed plan's traffic at the run's bandwidths.
+    for r in rows:
+        t = traffic(Config(**r["config"]))
+        assert math.isclose(r["memory_ms"], t.memory_bytes / r["copy_gbps"] / 1e6)
+        assert math.isclose(r["link_ms"], t.link_bytes / r["link_gbps"] / 1e6)
+        assert r["floor_ms"] == max(r["memory_ms"], r["link_ms"]) > 0
+    assert dlrm[1]["memory_ms"] > dlrm[0]["memory_ms"] > r1[0]["memory_ms"]  # 26 tables, up to 100 ids
+    table = open(os.path.join(out, "results.md")).read()
+    assert table.count("pgas_table_wise+pgas_row_wise vs table_wise") == 2 and "DLRM-shaped 26 tables" in table
+    assert os.path.getsize(os.path.join(out, "speedup.png")) > 0

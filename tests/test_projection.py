@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torchrec_pgas.benchmark.config import Config
+from torchrec_pgas.benchmark.config import Config, dlrm_config, table_specs
 from torchrec_pgas.benchmark.projection import (
     LABEL,
     NODES,
@@ -160,3 +160,23 @@ def test_cli_projects_the_committed_gpu_results_and_labels_them(tmp_path):
     assert os.path.getsize(os.path.join(out, "projection.png")) > 10_000
     with open(os.path.join(out, "projection.json")) as f:
         assert json.load(f)["label"] == LABEL
+
+
+def test_the_dlrm_scenario_is_modelled_by_its_own_pooling_factors_and_fitted_as_its_own_pair():
+    cfg = dlrm_config(Config(dim=128, batch_size=4096, ranks=2), 0.25)
+    ids = sum(s.ids_per_bag for s in table_specs(cfg))
+    assert ids == 214  # MLPerf DLRM v2's multi-hot pooling factors over 26 tables
+    assert lookup_bytes(cfg) == 4096 * (214 * (512 + 8) + 26 * 512)
+    assert peer_bytes(cfg) == 4096 * (214 * 8 + 26 * 512) / 2
+    # A results row of the scenario (as the benchmark writes it) fits and projects as
+    # a pair of its own, next to R1's pairs.
+    row = dict(_results()["rows"][0], scenario="dlrm", label=cfg.label())
+    row.update(config=dataclasses.asdict(cfg), pair=["table_wise+row_wise", "pgas_table_wise+pgas_row_wise"])
+    results = dict(_results(), rows=_results()["rows"] + [row])
+    links = Links()
+    pairs = fit_results(results, links)
+    mixed = next(p for p in pairs if p.names == ("table_wise+row_wise", "pgas_table_wise+pgas_row_wise"))
+    assert mixed.base == cfg and len(pairs) == 3
+    checked = [c for c in check(results, pairs, links) if c["row"].startswith("dlrm")]
+    assert len(checked) == 2 and all(abs(c["rel_error"]) < FIT_TOLERANCE for c in checked)
+    assert scaled(cfg, "weak", 16).shape == "dlrm"  # projected with its own tables

@@ -12,8 +12,8 @@ CRITEO_ROWS: Tuple[int, ...] = (
     40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956, 405_282, 10,
     2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152, 12_973, 108, 36,
 )  # fmt: skip
-#: Ids per sample of the same features in MLPerf DLRM v2's multi-hot Criteo: one-hot
-#: for most, a few multi-hot up to 100 (the pooling factors of production models).
+#: Ids per sample of the same features in MLPerf DLRM v2's multi-hot Criteo: 1 to 3
+#: for most (11 one-hot), a few multi-hot up to 100 (production models' pooling factors).
 CRITEO_POOLING: Tuple[int, ...] = (
     3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
 )  # fmt: skip

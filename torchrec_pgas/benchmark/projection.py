@@ -43,9 +43,11 @@ with table-wise traffic (no partial sums); the lookup runs at the copy bandwidth
 all that a real lookup loses against it is counted in the fixed times, which then do
 not shrink with the batch; NCCL's all-to-all is credited with the puts' bandwidth, and
 neither with congestion in the network; R1's 8 tables are fewer than the GPUs of two
-nodes, so a balanced placement (row-wise) is assumed. A DLRM-shaped scenario (tables of
-very different sizes and pooling factors) is not modelled: the benchmark has none to
-fit on yet.
+nodes, so a balanced placement (row-wise) is assumed. The DLRM-shaped scenario (``dlrm``:
+tables of very different sizes and pooling factors) is modelled by its total ids per
+sample (each table's own ``L``, ``config.table_specs``) under the same balanced
+placement: its rows are fitted as their own pair (``--fit-scenarios dlrm``), but its
+load imbalance (a 100-id table on one owner) is not modelled.
 """
 
 import argparse
@@ -56,7 +58,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
-from torchrec_pgas.benchmark.config import Config
+from torchrec_pgas.benchmark.config import Config, table_specs
 
 LABEL = "projection (model, not measured)"
 NODES: Tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -94,15 +96,20 @@ class Fit:
     exchange_ms: float = 0.0
 
 
+def _ids_per_sample(cfg: Config) -> int:
+    """Ids of one sample over all its tables."""
+    return sum(s.ids_per_bag for s in table_specs(cfg))
+
+
 def lookup_bytes(cfg: Config) -> float:
     """Memory traffic of one GPU's lookups (rows and ids read, pooled rows written)."""
     row = cfg.dim * _ELEM_BYTES
-    return cfg.batch_size * cfg.tables * (cfg.ids_per_bag * (row + _ID_BYTES) + row)
+    return cfg.batch_size * (_ids_per_sample(cfg) * (row + _ID_BYTES) + cfg.tables * row)
 
 
 def peer_bytes(cfg: Config) -> float:
     """Bytes one GPU sends to each peer (its ids there, the pooled rows it owes)."""
-    return cfg.batch_size * cfg.tables * (cfg.ids_per_bag * _ID_BYTES + cfg.dim * _ELEM_BYTES) / cfg.ranks
+    return cfg.batch_size * (_ids_per_sample(cfg) * _ID_BYTES + cfg.tables * cfg.dim * _ELEM_BYTES) / cfg.ranks
 
 
 def link_ms(cfg: Config, links: Links) -> float:

@@ -9,8 +9,13 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM
 
 from torchrec_pgas.benchmark.config import Config, TableSpec, table_specs
@@ -20,7 +25,7 @@ from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
 DENSE_FEATURES = 13
 
 #: How each sharding type places a table whose table-wise owner is the given rank.
-PLACEMENTS: Dict[str, Callable[[int], ParameterSharding]] = {
+PLACEMENTS: Dict[str, Callable[[int], ParameterShardingGenerator]] = {
     "table_wise": lambda rank: table_wise(rank=rank, compute_kernel="fused"),
     "pgas_table_wise": lambda rank: pgas_table_wise(rank=rank, compute_kernel="fused"),
     "row_wise": lambda rank: row_wise(compute_kernel="fused"),
@@ -28,7 +33,7 @@ PLACEMENTS: Dict[str, Callable[[int], ParameterSharding]] = {
 }
 
 
-def placement(sharding: str, spec: TableSpec) -> ParameterSharding:
+def placement(sharding: str, spec: TableSpec) -> ParameterShardingGenerator:
     """``spec``'s sharding under ``sharding``: one sharding type for every table, or
     "SMALL+BIG" (``pgas_table_wise+pgas_row_wise``): the second for the tables the
     plan puts row-wise, the first for the rest, in one module."""
@@ -64,11 +69,31 @@ class _Dlrm(nn.Module):
         return self.model(dense, kjt)
 
 
-def _tables(cfg: Config) -> List[EmbeddingBagConfig]:
+def embedding_configs(cfg: Config) -> List[EmbeddingBagConfig]:
+    """Table ``t{i}`` of ``table_specs(cfg)`` looked up by feature ``f{i}``."""
     return [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=s.rows, feature_names=[f"f{i}"])
         for i, s in enumerate(table_specs(cfg))
     ]
+
+
+def module_plan(
+    cfg: Config,
+    sharding: str,
+    ebc: EmbeddingBagCollection,
+    device_type: str,
+    sharder: PgasEmbeddingBagCollectionSharder,
+) -> EmbeddingModuleShardingPlan:
+    """The plan of ``cfg``'s tables in ``ebc``, each placed by ``placement``: one
+    module whatever the mix of sharding types."""
+    return construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={f"t{i}": placement(sharding, s) for i, s in enumerate(table_specs(cfg))},
+        world_size=cfg.ranks,
+        local_size=cfg.ranks,
+        device_type=device_type,
+        sharder=sharder,
+    )
 
 
 def build(
@@ -78,20 +103,13 @@ def build(
     ``placement``) over ``pg``, trained by fused ``EXACT_SGD``, with weights drawn per
     table from its seed."""
     torch.manual_seed(0)  # the DLRM's dense layers: the same on every rank and sharding
-    ebc = EmbeddingBagCollection(tables=_tables(cfg), device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=torch.device("meta"))
     module: nn.Module = _Dlrm(ebc, cfg.dim, device) if dlrm else _Holder(ebc)
     path = "model.sparse_arch.embedding_bag_collection" if dlrm else "ebc"
     sharder = PgasEmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
     )
-    plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding={f"t{i}": placement(sharding, s) for i, s in enumerate(table_specs(cfg))},
-        world_size=cfg.ranks,
-        local_size=cfg.ranks,
-        device_type=device.type,
-        sharder=sharder,
-    )
+    plan = module_plan(cfg, sharding, ebc, device.type, sharder)
     dmp = DistributedModelParallel(
         module,
         env=ShardingEnv.from_process_group(pg),
