@@ -73,6 +73,7 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     for ax in axes.flat[len(scenarios) :]:
         ax.set_visible(False)
     colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
+    first_pairs = {tuple(r["pair"]) for r in rows if r["scenario"] == scenarios[0]}
     for ax, scenario in zip(axes.flat, scenarios):
         mine = [r for r in rows if r["scenario"] == scenario]
         shorts = list(dict.fromkeys(r["short"] for r in mine))
@@ -94,7 +95,10 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
         ax.set_title(scenario)
         ax.set_ylabel("speed-up over TorchRec")
         ax.set_ylim(bottom=0)
-    axes[0][0].legend(fontsize=7)
+        if all(s.isdigit() for s in shorts):  # a batch sweep (``--batch-sizes``)
+            ax.set_xlabel("samples per rank")
+        if ax is axes[0][0] or {tuple(r["pair"]) for r in mine} != first_pairs:
+            ax.legend(fontsize=7)  # every panel whose pairs the first panel's legend does not name
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
