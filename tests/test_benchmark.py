@@ -24,7 +24,7 @@ from torchrec_pgas.benchmark.config import (
     table_specs,
 )
 from torchrec_pgas.benchmark.floor import floor, link_chunks, traffic
-from torchrec_pgas.benchmark.workload import embedding_configs, module_plan, placement
+from torchrec_pgas.benchmark.workload import batches, embedding_configs, module_plan, placement
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
 
@@ -99,6 +99,25 @@ def test_mixed_plan_places_each_table_by_its_side_in_one_module():
         )
     with pytest.raises(ValueError, match="unknown sharding 'table_wise\\+grid'"):
         placement("table_wise+grid", specs[0])
+
+
+def test_zipf_ids_follow_the_law_scattered_over_the_table():
+    cfg = Config(tables=2, rows=1000, batch_size=2000, ids_per_bag=20, zipf_alpha=1.05, ranks=1)
+    kjt = batches(cfg, torch.device("cpu"), 1, rank=0)[0]
+    p = [k**-1.05 for k in range(1, 1001)]
+    for key in ("f0", "f1"):
+        ids = kjt[key].values()
+        assert ids.numel() == 40_000 and 0 <= int(ids.min()) and int(ids.max()) < 1000
+        counts = torch.bincount(ids, minlength=1000).sort(descending=True).values.double() / ids.numel()
+        for k in (0, 1, 9):  # the k-th hottest row's share, to within 5 standard deviations
+            share = p[k] / sum(p)
+            assert abs(counts[k] - share) < 5 * math.sqrt(share / ids.numel()), (key, k, float(counts[k]), share)
+    hottest = [int(torch.bincount(kjt[k].values()).argmax()) for k in ("f0", "f1")]
+    assert hottest[0] != hottest[1]  # each table scatters its hot rows its own way
+    # Tables past torch.multinomial's 2^24 categories (Criteo's 40M rows at scale 1).
+    big = Config(tables=1, rows=(1 << 24) + 1, batch_size=100, ids_per_bag=1, zipf_alpha=1.05, ranks=1)
+    ids = batches(big, torch.device("cpu"), 1, rank=0)[0].values()
+    assert ids.numel() == 100 and 0 <= int(ids.min()) and int(ids.max()) <= 1 << 24
 
 
 def test_floor_of_a_mixed_plan_adds_each_placements_traffic():

@@ -139,9 +139,16 @@ def _draw(
     fixed per table (so that row-wise shards each get some)."""
     if not zipf_alpha:
         return lambda: torch.randint(0, spec.rows, (count,), generator=g, device=device)
-    weights = torch.arange(1, spec.rows + 1, device=device, dtype=torch.float64).pow(-zipf_alpha)
+    # Inverse CDF rather than ``torch.multinomial``, which takes at most 2^24 rows on GPUs.
+    cdf = torch.arange(1, spec.rows + 1, device=device, dtype=torch.float64).pow(-zipf_alpha).cumsum(0)
+    cdf /= cdf[-1].clone()
     scatter = torch.randperm(spec.rows, generator=torch.Generator(device=device).manual_seed(seed), device=device)
-    return lambda: scatter[torch.multinomial(weights, count, replacement=True, generator=g)]
+
+    def draw() -> torch.Tensor:
+        u = torch.rand(count, generator=g, device=device, dtype=torch.float64)
+        return scatter[torch.searchsorted(cdf, u, right=True).clamp_(max=spec.rows - 1)]
+
+    return draw
 
 
 def batches(cfg: Config, device: torch.device, n: int, rank: int) -> List[KeyedJaggedTensor]:
