@@ -38,6 +38,8 @@ from tqdm import tqdm
 
 from torchrec_pgas.benchmark import floor, report, timing, workload
 from torchrec_pgas.benchmark.config import (
+    CPU_SCALE,
+    DEFAULT_SCALE,
     Config,
     add_config_args,
     base_config,
@@ -165,7 +167,8 @@ def main() -> None:
     args = _parse()
     device = start_rank()
     cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
-    chosen = scenarios(base_config(args, world), world, args.scale)
+    scale = args.scale or (DEFAULT_SCALE if cuda else CPU_SCALE)
+    chosen = scenarios(base_config(args, world), world, scale)
     names = list(chosen) if args.suite == "all" else args.suite.split(",")
     unknown = [n for n in names if n not in chosen]
     if unknown:

@@ -25,6 +25,11 @@ MIN_SCALED_ROWS = 16
 #: would unbalance any table-wise placement. Taken on the full size so that the plan
 #: is the same at every ``scale``.
 ROW_WISE_ABOVE = 1_000_000
+#: The DLRM scenario's default ``scale``: 10M-row largest tables, 26 GB of fp32 rows at
+#: dim 128, so that one model fits one H200 next to the benchmark's other buffers.
+DEFAULT_SCALE = 0.25
+#: On CPUs: 400k-row largest tables, 1 GB of rows per model at dim 128.
+CPU_SCALE = 0.01
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale",
         type=float,
-        default=0.25,
-        help="the dlrm scenario's row counts as a fraction of Criteo 1TB's (0.25: 10M-row "
-        "largest tables, 26 GB of fp32 rows at dim 128, one model fits one H200)",
+        default=None,
+        help=f"the dlrm scenario's row counts as a fraction of Criteo 1TB's "
+        f"(default {DEFAULT_SCALE} on GPUs, {CPU_SCALE} on CPUs)",
     )
     p.add_argument(
         "--batch-sizes",
@@ -156,7 +161,7 @@ def _world_sizes(world: int) -> List[int]:
     return [w for w in (1, 2, 4, 8, 16) if w <= world]
 
 
-def scenarios(base: Config, world: int, scale: float = 0.25) -> Dict[str, List[Config]]:
+def scenarios(base: Config, world: int, scale: float = DEFAULT_SCALE) -> Dict[str, List[Config]]:
     """Every scenario's configurations, from the base (R1 at the default arguments):
 
     * ``r1``: the base on every rank;
