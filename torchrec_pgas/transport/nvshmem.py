@@ -8,8 +8,7 @@ a ``PgasTimeoutError`` on the host.
 """
 
 import logging
-import os
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -23,66 +22,22 @@ from torchrec_pgas.transport.base import (
     Transport,
     raise_unless_every_rank_ready,
 )
+from torchrec_pgas.transport.nvshmem_setup import choose_paths, register_module, start_nvshmem
+from torchrec_pgas.transport.nvshmem_setup import cuda_core_device as _cuda_core_device
+from torchrec_pgas.transport.nvshmem_setup import import_nvshmem as _import_nvshmem
 from torchrec_pgas.types import RemotePath
 
 logger = logging.getLogger(__name__)
 
-_SETUP_HINT = (
-    "install the GPU extra (pip install 'torchrec-pgas[gpu]': nvshmem4py-cu13, "
-    "nvidia-nvshmem-cu13, triton) and run one process per GPU"
-)
-#: What a job whose ranks cannot all reach each other through NVSHMEM must set up.
-_REMOTE_HINT = (
-    "between nodes NVSHMEM needs a remote transport: set NVSHMEM_REMOTE_TRANSPORT=ibrc "
-    "(InfiniBand or RoCE, through a proxy thread), =ucx, or =ibgda with "
-    "NVSHMEM_IB_ENABLE_IBGDA=1 (GPU-initiated), and check that the NICs are visible to "
-    "every process; within a node, leave NVSHMEM_DISABLE_P2P unset and check `nvidia-smi "
-    "topo -m` and CUDA_VISIBLE_DEVICES; launch one process (one NVSHMEM PE) per GPU; "
-    "NVSHMEM_DEBUG=INFO lists the transports NVSHMEM found"
-)
-#: The longest the set-up waits for a probe of a peer without a peer mapping.
-_PROBE_TIMEOUT_S = 30.0
 _WHAT = {
     WAIT_SLOT_FREE.value: "a slot to be released",
     WAIT_OUT_FREE.value: "an output slot to be released",
     WAIT_DATA.value: "data",
 }
 
-
-def _import_nvshmem():
-    try:
-        import nvshmem.core as nvshmem
-        from nvshmem.core import NvshmemKernelObject
-    except ImportError as e:
-        raise PgasTransportUnavailableError(f"NVSHMEM is not available ({e}): {_SETUP_HINT}") from e
-    return nvshmem, NvshmemKernelObject
-
-
-def _cuda_core_device(index: int):
-    try:
-        from cuda.core import Device
-    except ImportError:
-        from cuda.core.experimental import Device
-    return Device(index)
-
-
-_REGISTERED: Set[int] = set()
-
 #: NVSHMEM starts once per process: the transports (one per process group and timeout,
 #: every one over all processes) share it, and the last to close finalizes it.
 _users = 0
-
-
-def _register_module(module, function, name, metadata_group, hash) -> None:  # noqa: A002
-    """Triton's kernel-load hook: NVSHMEM must initialize every module that may call it
-    before its first launch."""
-    from torchrec_pgas.kernels.nvshmem_device import needs_module_init
-
-    if module in _REGISTERED or not needs_module_init(name, metadata_group):
-        return
-    nvshmem, kernel_object = _import_nvshmem()
-    nvshmem.module_init(kernel_object.from_handle(module))
-    _REGISTERED.add(module)
 
 
 class NvshmemTransport(Transport):
@@ -123,7 +78,8 @@ class NvshmemTransport(Transport):
 
         global _users
         if not _users:  # the same on every rank: transports are made collectively
-            problem = self._start_nvshmem()
+            # ``_cuda_core_device`` is looked up here, at the call: CPU tests replace it.
+            problem = start_nvshmem(nvshmem, pg, self.rank, self.world_size, self.device.index, _cuda_core_device)
             try:
                 raise_unless_every_rank_ready(pg, problem)
             except PgasTransportUnavailableError:
@@ -131,7 +87,7 @@ class NvshmemTransport(Transport):
                     nvshmem.finalize()
                 raise
         _users += 1
-        triton.knobs.runtime.kernel_load_end_hook = _register_module
+        triton.knobs.runtime.kernel_load_end_hook = register_module
         self._live: List[torch.Tensor] = []
         self._owners: Dict[int, Any] = {}  # open owners of symmetric tensors, by id
         self._retired: Set[int] = set()
@@ -143,33 +99,11 @@ class NvshmemTransport(Transport):
             # sets a signal word and takes a destination buffer.
             self._scratch_signals = self.symmetric_tensor((self.world_size,), torch.int64)
             self._scratch_bytes = self.symmetric_tensor((8,), torch.uint8)
-            self._choose_paths(remote_path)
+            self.direct, self.puts_anywhere = choose_paths(self, remote_path)
         except Exception:
             self._release()
             raise
         self._closed = False
-
-    def _start_nvshmem(self) -> Optional[str]:
-        """Initializes NVSHMEM over this transport's group, with a unique id from its
-        first rank; returns what went wrong, if anything."""
-        import numpy as np
-
-        nvshmem, pg = self._nvshmem, self.group
-        uid = nvshmem.get_unique_id(empty=self.rank != 0)
-        raw = [uid._data.view(np.int8).tobytes() if self.rank == 0 else None]
-        dist.broadcast_object_list(raw, src=dist.get_global_rank(pg, 0), group=pg)
-        uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
-        try:
-            nvshmem.init(
-                device=_cuda_core_device(self.device.index),
-                uid=uid,
-                rank=self.rank,
-                nranks=self.world_size,
-                initializer_method="uid",
-            )
-        except Exception as e:
-            return f"NVSHMEM initialization failed ({e}); {_SETUP_HINT}; if the job spans nodes, {_REMOTE_HINT}"
-        return None
 
     def _release(self) -> None:
         """Closes every owner of symmetric tensors still open, frees this transport's
@@ -239,61 +173,6 @@ class NvshmemTransport(Transport):
             # By identity: list.remove would compare tensors element-wise.
             self._live = [x for x in self._live if x is not t]
             self._nvshmem.free_tensor(t)
-
-    def _choose_paths(self, remote_path: RemotePath) -> None:
-        """Sets ``direct`` and ``puts_anywhere`` (collective). Peers NVSHMEM gives no
-        peer mapping to (``nvshmem_ptr`` is null: another node) are probed with a
-        signal round trip first, so that a job whose NVSHMEM cannot reach them raises
-        here, on every rank, with what to set, rather than time out at its first step."""
-        world, me = self.world_size, self.rank
-        probe = self.symmetric_tensor((world,), torch.int64)
-        mapped = [pe == me or self._nvshmem.get_peer_tensor(probe, pe) is not None for pe in range(world)]
-        unmapped = [pe for pe in range(world) if not mapped[pe]]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, unmapped, group=self.group)
-        senders = [q for q, theirs in enumerate(everyone) if me in theirs]
-        problem = self._probe(probe, unmapped, senders) if unmapped or senders else None
-        raise_unless_every_rank_ready(self.group, problem)
-        self.direct = [pe == me or (remote_path == "auto" and mapped[pe]) for pe in range(world)]
-        self.puts_anywhere = any(everyone) or (remote_path == "put" and world > 1)
-        torch.cuda.synchronize(self.device)
-        self.barrier()
-
-    def _probe(self, sig: torch.Tensor, to: Sequence[int], senders: Sequence[int]) -> Optional[str]:
-        """Sets word ``me`` of ``sig`` at every peer of ``to`` through NVSHMEM and waits
-        (a short while) for ``senders`` to set theirs here; returns what failed."""
-        from torchrec_pgas.kernels.put_signal import put_signal
-        from torchrec_pgas.kernels.signal_wait import signal_wait
-
-        who = (
-            f"no peer (NVLink/P2P) access to ranks {list(to)}"
-            if to
-            else f"ranks {list(senders)} have no peer (NVLink/P2P) access to this rank"
-        )
-        if os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "").lower() == "none":
-            return f"{who}, and NVSHMEM_REMOTE_TRANSPORT=none leaves NVSHMEM no way between them: {_REMOTE_HINT}"
-        dev = sig.device
-        try:
-            if to:
-                peers = torch.tensor(list(to), dtype=torch.int32, device=dev)
-                no_chunks = torch.empty(len(to), 0, 3, dtype=torch.int64, device=dev)
-                put_signal(peers, no_chunks, self._scratch_bytes, sig, self._scratch_signals, self.err,
-                           me=self.rank, step=1, free_target=0, timeout_ns=self.timeout_ns)  # fmt: skip
-            timeout_ns = int(min(self._timeout_s, _PROBE_TIMEOUT_S) * 1e9)
-            waited = torch.tensor(list(senders), dtype=torch.int32, device=dev)
-            signal_wait(sig, waited, 1, self.err, WAIT_DATA.value, timeout_ns)
-            torch.cuda.synchronize(dev)
-            arrived = sig.tolist()
-            self.err.zero_()
-        except Exception as e:  # a put NVSHMEM has no transport for may fail here
-            return f"{who}, and an NVSHMEM signal round trip with them failed ({type(e).__name__}: {e}): {_REMOTE_HINT}"
-        late = [q for q in senders if arrived[q] < 1]
-        if late:
-            return (
-                f"{who}, and NVSHMEM signals from ranks {late} did not arrive within "
-                f"{min(self._timeout_s, _PROBE_TIMEOUT_S):.0f} s: {_REMOTE_HINT}"
-            )
-        return None
 
     def peer_addresses(self, t: torch.Tensor) -> torch.Tensor:
         """Addresses of every rank's copy of symmetric ``t`` in this process (int64

@@ -1,0 +1,121 @@
+"""The set-up and lifetime of ``DeviceTwExchange`` (``tw_device_exchange.py``): what
+its constructor takes, and what the first send allocates (collectively, sized from the
+largest first batch of any rank): the symmetric ``DeviceBuffers``, the peers' address
+tables (``PeerTables``: peer mappings, or the put path's tables), the send's and
+receive's scratch, and the lookup groups; and the host's one check of a step's
+record. The step itself reads in ``tw_device_exchange.py``.
+"""
+
+import collections
+from typing import Any, Deque, List, Optional, Sequence
+
+import torch
+
+from torchrec_pgas.kernels.ids_header import feature_runs
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
+from torchrec_pgas.kernels.lookup_put import done_counters
+from torchrec_pgas.sharding.device_batch import DeviceRoute, FusedTables, LookupGroups, StreamScratch, failure_texts
+from torchrec_pgas.sharding.device_routing import (
+    IdsRouting,
+    OutputBlocks,
+    PeerTables,
+    TableWiseIds,
+    first_batch_sizes,
+)
+from torchrec_pgas.sharding.tw_base import BaseTwExchange
+from torchrec_pgas.transport.device_buffers import BufferSizes, DeviceBuffers
+from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+
+class DeviceTwSetup(BaseTwExchange):
+    """``DeviceTwExchange`` less its step. Arguments: those of ``BaseTwExchange``,
+    plus the number of features of each lookup group of this rank (``group_sizes``, in
+    lookup order), whether the plan's tables are weighted, whether the lookup reads
+    only the bags' ids (else it gets exactly the batch's ids), whether inference may
+    pool with ``lookup_put`` (every group FBGEMM ``FUSED``, sum or mean pooling, no
+    feature processor), which owner gets which ids (``routing``, default
+    ``TableWiseIds``) and where owners store pooled rows (``output``, default one
+    block, each owner at its columns). Its ``DeviceBuffers`` come at the first send
+    (``_allocate``, collective); ``close`` frees them."""
+
+    def __init__(
+        self,
+        transport: NvshmemTransport,
+        group_sizes: Sequence[int],
+        weighted: bool,
+        lookup_reads_only_bags: bool,
+        fused_lookup: bool,
+        routing: Optional[IdsRouting] = None,
+        output: Optional[OutputBlocks] = None,
+        **plan: Any,
+    ) -> None:
+        super().__init__(transport, **plan)
+        self._t: NvshmemTransport = transport
+        self._dev = transport.device
+        self._me = transport.rank
+        self._counts = [len(f) for f in self._features_per_rank]
+        self._routing: IdsRouting = routing if routing is not None else TableWiseIds(self._counts)
+        self._output = output if output is not None else OutputBlocks(1, 0, self._dim_total, tuple(self._col_offsets))
+        self._group_sizes = list(group_sizes)
+        self._weighted = weighted
+        self._exact_always = not lookup_reads_only_bags
+        self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
+        self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
+        self._expected_rows = 0
+        self._my_batches: Deque[int] = collections.deque()
+        self._buffers: Optional[DeviceBuffers] = None
+        self._text: Optional[torch.Tensor] = None  # the message a failing send puts
+        # A step's record (``DeviceRoute.record``): every source's header, then the
+        # error record from this word on.
+        self._err_at = transport.world_size * HEADER_WORDS
+
+    def _routable(self, pos: List[int]) -> bool:
+        return self._routing.routable(pos)
+
+    def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
+        """Sizes the buffers from the largest first batch of any rank (collective)."""
+        t, world, me = self._t, self._t.world_size, self._me
+        t.reclaim()  # the buffers of models gone since the last allocation
+        routed = [self._routing.routed_features(w, self._input_pos) for w in range(world)]
+        self._runs = feature_runs(routed, self._dev)
+        batch, ids = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
+        self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._headroom)
+        out = self._output
+        sizes = BufferSizes(
+            layout.nbytes, out.blocks, layout.batch_capacity, out.dim, max(self._dims), self._dims[me], self._out_dtype
+        )
+        self._buffers = buffers = DeviceBuffers(t, sizes)
+        buffers.free_when_collected(self)  # the model may go without closing us
+        self._peers = PeerTables(buffers, out, self._owners_with_tables, self._dims, me, self._elem)
+        self._done = done_counters(world, layout, self._dev)
+        features = self._features_per_rank[me]
+        self._scratch = StreamScratch(self._runs, len(features), layout, world, self._dev)
+        self._groups = LookupGroups(
+            features, self._group_sizes, self._weighted, self._exact_always, layout, world, self._dev
+        )
+        # The lookup output of a step whose rows ``lookup_put`` put (none).
+        self._no_rows = torch.empty(0, self._dims[me], dtype=self._out_dtype, device=self._dev)
+        self._take_done = torch.zeros(1, dtype=torch.int64, device=self._dev)
+        # torch divides by a scalar as a multiplication by its fp32 reciprocal.
+        self._grad_scale = float(torch.tensor(1.0) / world)
+        torch.cuda.synchronize(self._dev)
+        t.barrier()
+
+    def _check(self, route: DeviceRoute) -> None:
+        """Raises what the step's headers or the device-side waits report (one sync)."""
+        record = route.record.tolist()
+        n = HEADER_WORDS
+        if record[self._err_at]:  # the error record's code word
+            self._t.check(self._name)
+        headers = [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)]
+        texts: Sequence[str] = ()
+        if any(h.status == Status.FAILED for h in headers):
+            assert self._buffers is not None and self._layout is not None
+            texts = failure_texts(headers, self._buffers.slots(route.step), self._layout)
+        self._raise_for_bad_headers(headers, self._out_step, texts)
+
+    def close(self) -> None:
+        """Frees the exchange's symmetric memory (collective: every rank closes at the
+        same point); the exchange cannot be used after. Safe to call twice."""
+        if self._buffers is not None:
+            self._buffers.close()
