@@ -14,7 +14,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,23 +52,21 @@ def _plot(windows: List[Dict[str, float]], path: str) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
-    args = _parse()
-    device = start_rank()
-    if device.type != "cuda":
-        raise SystemExit("the soak runs on GPUs (one process per GPU); on CPUs see tests/test_reliability.py")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = base_config(args, world)
-    batches = workload.batches(cfg, device, 8, rank)
-    grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in batches]
-    pg = dist.group.WORLD
-    pgas, tw = workload.build(cfg, "pgas_table_wise", device, pg), workload.build(cfg, "table_wise", device, pg)
-
+def _train(
+    args: argparse.Namespace,
+    pgas: torch.nn.Module,
+    tw: torch.nn.Module,
+    batches: list,
+    grads: List[torch.Tensor],
+    device: torch.device,
+) -> Tuple[List[Dict[str, float]], int, int, int]:
+    """Trains both models until rank 0's clock says the time is up; returns the
+    windows, the training steps, the mismatching checks and the checks."""
     windows: List[Dict[str, float]] = []
     times: List[float] = []
     steps, mismatches, checks = 0, 0, 0
     start = window_start = time.monotonic()
-    bar = tqdm(total=int(args.minutes * 60), unit="s", disable=rank != 0)
+    bar = tqdm(total=int(args.minutes * 60), unit="s", disable=dist.get_rank() != 0)
     while True:
         # Every rank stops at the same step: rank 0's clock decides.
         if steps % 50 == 0:
@@ -97,32 +95,60 @@ def main() -> None:
             bar.update(int(now - window_start))
             times, window_start = [], now
     bar.close()
+    return windows, steps, mismatches, checks
+
+
+def _report(
+    args: argparse.Namespace,
+    world: int,
+    steps: int,
+    windows: List[Dict[str, float]],
+    mismatches: int,
+    checks: int,
+    device: torch.device,
+) -> None:
+    """Prints the windows and their spread, writes OUT.json (and OUT.png)."""
+    medians = [w["median_ms"] for w in windows]
+    name = torch.cuda.get_device_name(device)
+    print(f"\n{world} x {name}, {args.minutes} min, {steps} training steps of each model")
+    print(f"{'t (s)':>8}{'median ms':>11}{'steps/s':>9}")
+    for w in windows:
+        print(f"{w['t_s']:>8.0f}{w['median_ms']:>11.3f}{w['steps_per_s']:>9.1f}")
+    spread = (max(medians) - min(medians)) / statistics.median(medians) if medians else 0.0
+    print(f"window medians: min {min(medians):.3f} ms, max {max(medians):.3f} ms, spread {spread:.1%}")
+    print(f"bit-identical to table_wise at {checks - mismatches} of {checks} checks")
+    with open(f"{args.out}.json", "w") as f:
+        json.dump(
+            {
+                "args": vars(args),
+                "world": world,
+                "steps": steps,
+                "windows": windows,
+                "checks": checks,
+                "mismatches": mismatches,
+            },
+            f,
+            indent=1,
+        )
+    _plot(windows, f"{args.out}.png")
+
+
+def main() -> None:
+    args = _parse()
+    device = start_rank()
+    if device.type != "cuda":
+        raise SystemExit("the soak runs on GPUs (one process per GPU); on CPUs see tests/test_reliability.py")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = base_config(args, world)
+    batches = workload.batches(cfg, device, 8, rank)
+    grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in batches]
+    pg = dist.group.WORLD
+    pgas, tw = workload.build(cfg, "pgas_table_wise", device, pg), workload.build(cfg, "table_wise", device, pg)
+    windows, steps, mismatches, checks = _train(args, pgas, tw, batches, grads, device)
     counts = torch.tensor([mismatches, checks], device=device)
     dist.all_reduce(counts)
     if rank == 0:
-        medians = [w["median_ms"] for w in windows]
-        name = torch.cuda.get_device_name(device)
-        print(f"\n{world} x {name}, {args.minutes} min, {steps} training steps of each model")
-        print(f"{'t (s)':>8}{'median ms':>11}{'steps/s':>9}")
-        for w in windows:
-            print(f"{w['t_s']:>8.0f}{w['median_ms']:>11.3f}{w['steps_per_s']:>9.1f}")
-        spread = (max(medians) - min(medians)) / statistics.median(medians) if medians else 0.0
-        print(f"window medians: min {min(medians):.3f} ms, max {max(medians):.3f} ms, spread {spread:.1%}")
-        print(f"bit-identical to table_wise at {int(counts[1]) - int(counts[0])} of {int(counts[1])} checks")
-        with open(f"{args.out}.json", "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "world": world,
-                    "steps": steps,
-                    "windows": windows,
-                    "checks": int(counts[1]),
-                    "mismatches": int(counts[0]),
-                },
-                f,
-                indent=1,
-            )
-        _plot(windows, f"{args.out}.png")
+        _report(args, world, steps, windows, int(counts[0]), int(counts[1]), device)
     finish()
 
 

@@ -68,6 +68,42 @@ def balanced_owners(tables: Sequence[EmbeddingBagConfig], world_size: int) -> Di
     return owners
 
 
+def _check_plan(
+    module: QuantEmbeddingBagCollection,
+    configs: Sequence[EmbeddingBagConfig],
+    owners: Mapping[str, int],
+    world_size: int,
+) -> None:
+    """Raises unless ``owners`` places every table of ``module`` on a rank of the world
+    and the module is one this path serves (CPU)."""
+    problems = sorted(set(t.name for t in configs) ^ set(owners))
+    if problems:
+        raise ValueError(f"{PGAS_TABLE_WISE}: owners must name every table of the module once; differ: {problems}")
+    bad = {t: r for t, r in owners.items() if not 0 <= r < world_size}
+    if bad:
+        raise ValueError(f"{PGAS_TABLE_WISE}: owners {bad} are not ranks of a world of {world_size}")
+    if module.device.type != "cpu":
+        raise NotImplementedError(
+            f"{PGAS_TABLE_WISE}: quantized tables are served on CPU ranks only so far, not {module.device}"
+        )
+
+
+def _output_columns(
+    configs: Sequence[EmbeddingBagConfig], per_rank: Sequence[Sequence[EmbeddingBagConfig]], keys: Sequence[str]
+) -> Tuple[List[int], Optional[torch.Tensor]]:
+    """The width of each output key, and the gather of columns (None if none is
+    needed) that restores the unsharded module's order of ``keys``: the exchange puts
+    each owner's block (its tables in ``per_rank`` order) side by side."""
+    names_by_table = dict(zip([t.name for t in configs], get_embedding_names_by_table(configs)))
+    dim_by_name = {n: t.embedding_dim for t in configs for n in names_by_table[t.name]}
+    sharded_names = [n for tables in per_rank for t in tables for n in names_by_table[t.name]]
+    starts, col = {}, 0
+    for n in sharded_names:
+        starts[n], col = col, col + dim_by_name[n]
+    order = [c for n in keys for c in range(starts[n], starts[n] + dim_by_name[n])]
+    return [dim_by_name[n] for n in keys], None if order == list(range(col)) else torch.tensor(order, dtype=torch.int64)
+
+
 class PgasQuantEmbeddingBagCollection(nn.Module):
     """A ``QuantEmbeddingBagCollection`` sharded ``pgas_table_wise``: same input
     (a KJT of the module's features), same output (a ``KeyedTensor``, keys and
@@ -93,17 +129,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         options = options or PgasOptions()
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
-        names = [t.name for t in configs]
-        problems = sorted(set(names) ^ set(owners))
-        if problems:
-            raise ValueError(f"{PGAS_TABLE_WISE}: owners must name every table of the module once; differ: {problems}")
-        bad = {t: r for t, r in owners.items() if not 0 <= r < world_size}
-        if bad:
-            raise ValueError(f"{PGAS_TABLE_WISE}: owners {bad} are not ranks of a world of {world_size}")
-        if module.device.type != "cpu":
-            raise NotImplementedError(
-                f"{PGAS_TABLE_WISE}: quantized tables are served on CPU ranks only so far, not {module.device}"
-            )
+        _check_plan(module, configs, owners, world_size)
         self._name = PGAS_TABLE_WISE
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
@@ -141,18 +167,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             if mine
             else None
         )
-        # Output columns: the exchange puts each owner's block side by side; the
-        # unsharded module's order is restored by one gather of columns.
-        names_by_table = dict(zip(names, get_embedding_names_by_table(configs)))
-        dim_by_name = {n: t.embedding_dim for t in configs for n in names_by_table[t.name]}
-        sharded_names = [n for tables in per_rank for t in tables for n in names_by_table[t.name]]
-        starts, col = {}, 0
-        for n in sharded_names:
-            starts[n], col = col, col + dim_by_name[n]
         self._keys = list(module._embedding_names)
-        self._length_per_key = [dim_by_name[n] for n in self._keys]
-        order = [c for n in self._keys for c in range(starts[n], starts[n] + dim_by_name[n])]
-        self._columns = None if order == list(range(col)) else torch.tensor(order, dtype=torch.int64)
+        self._length_per_key, self._columns = _output_columns(configs, per_rank, self._keys)
 
     def _problem(self, features: KeyedJaggedTensor) -> Optional[str]:
         problem = batch_problem(features, self._batch_keys, self._needed)
