@@ -21,6 +21,8 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import load_unsharded_state_dict
+from torchrec_pgas.transport import Mailbox
+from torchrec_pgas.transport.host import HostTransport
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, kwargs: Dict[str, Any]) -> None:
@@ -42,20 +44,25 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, k
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "dlrm")
 
 
-def run_example(script: str, *args: str) -> str:
-    """Runs an example script on two processes with torchrun; returns its stdout."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.join(EXAMPLE, script),
-        *args,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def torchrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs ``torch.distributed.run`` on two local processes with ``args`` (a script
+    or ``-m module``, then its arguments); returns the finished run, output captured,
+    so a test can check a failure as well as a success."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_ok(*args: str) -> str:
+    """``torchrun(*args)`` that must succeed; returns its stdout. A failure shows the
+    ends of both streams, where the failing rank's traceback is."""
+    done = torchrun(*args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done.stdout
+
+
+def run_example(script: str, *args: str) -> str:
+    """Runs an example script on two processes with torchrun; returns its stdout."""
+    return torchrun_ok(os.path.join(EXAMPLE, script), *args)
 
 
 def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", deadline_s: float = 600, **kwargs: Any) -> None:
@@ -79,6 +86,28 @@ def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", deadline_s: 
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{fn.__name__}: ranks still running after {deadline_s} s (a hang)")
+
+
+def mailbox_payload(step: int, source: int, dest: int, n: int) -> torch.Tensor:
+    """What ``source`` sends ``dest`` at ``step``: ``n`` random int64, one seed per message."""
+    g = torch.Generator().manual_seed(step * 10_000 + source * 100 + dest)
+    return torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64)
+
+
+def stream_through_mailbox(t: HostTransport, box: Mailbox, rank: int, world_size: int, steps: int, n: int) -> None:
+    """Sends ``steps`` steps of ``n`` int64 through ``box`` to every rank and checks
+    every message received, with no barrier between steps: only the mailbox's signals
+    order the reads, so a torn or early read shows."""
+    for step in range(1, steps + 1):
+        for dest in range(world_size):
+            base = box.begin_send(dest, step)
+            t.put(box.buffer, dest, base, mailbox_payload(step, rank, dest, n))
+            box.end_send(dest, step)
+        for source in range(world_size):
+            box.wait(source, step)
+            got = box.slot(source, step).view(torch.int64)
+            assert torch.equal(got, mailbox_payload(step, source, rank, n)), (step, source)
+            box.release(source, step)
 
 
 class Wrapper(nn.Module):

@@ -7,11 +7,10 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from dist_utils import torchrun_ok
 from torchrec import EmbeddingBagCollection
 
 from torchrec_pgas.benchmark.config import (
@@ -160,39 +159,14 @@ def test_link_measurement_puts_every_byte_once_from_many_blocks():
         link_chunks(100, src, blocks)
 
 
+#: A tiny workload's options, for the benchmark runs on two CPU processes.
+TINY_RUN = ("--tables", "4", "--rows", "300", "--dim", "8", "--batch-size", "16", "--ids-per-bag", "3")
+
+
 def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     out = str(tmp_path / "bench")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "torchrec_pgas.benchmark",
-        "--suite",
-        "r1,weak,zipf,large_tables",
-        "--tables",
-        "4",
-        "--rows",
-        "300",
-        "--dim",
-        "8",
-        "--batch-size",
-        "16",
-        "--ids-per-bag",
-        "3",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--rounds",
-        "2",
-        "--out",
-        out,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    suite = ("--suite", "r1,weak,zipf,large_tables", "--iters", "2", "--warmup", "1", "--rounds", "2")
+    torchrun_ok("-m", "torchrec_pgas.benchmark", *suite, *TINY_RUN, "--out", out)
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
     rows, host = results["rows"], results["meta"]["host"]
@@ -222,32 +196,8 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
 
 def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
     out = str(tmp_path / "prof")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "torchrec_pgas.benchmark.profile",
-        "--tables",
-        "4",
-        "--rows",
-        "300",
-        "--dim",
-        "8",
-        "--batch-size",
-        "16",
-        "--ids-per-bag",
-        "3",
-        "--iters",
-        "3",
-        "--out",
-        out,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    timed = [line.split()[:2] for line in done.stdout.splitlines() if "step_ms" in line]
+    stdout = torchrun_ok("-m", "torchrec_pgas.benchmark.profile", *TINY_RUN, "--iters", "3", "--out", out)
+    timed = [line.split()[:2] for line in stdout.splitlines() if "step_ms" in line]
     assert timed == [[s, step] for s in ("pgas_table_wise", "table_wise") for step in ("forward", "train_step")]
     for s in ("pgas_table_wise", "table_wise"):
         with open(os.path.join(out, f"cprofile_{s}_forward.txt")) as f:
@@ -260,14 +210,11 @@ def test_profile_runs_on_two_cpu_processes_and_writes_its_profiles(tmp_path):
 
 def test_dlrm_batch_sweep_runs_on_two_cpu_processes_and_compares_outputs(tmp_path):
     out = str(tmp_path / "dlrm")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "torchrec_pgas.benchmark", "--suite", "r1,dlrm", "--scale", "1e-4", "--batch-sizes", "16,40"]
-    cmd += ["--tables", "3", "--rows", "200", "--dim", "8", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1"]
-    cmd += ["--out", out]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    args = ["-m", "torchrec_pgas.benchmark", "--suite", "r1,dlrm", "--scale", "1e-4", "--batch-sizes", "16,40"]
+    args += ["--tables", "3", "--rows", "200", "--dim", "8", "--ids-per-bag", "3", "--iters", "2", "--warmup", "1"]
+    stdout = torchrun_ok(*args, "--out", out)
     # TorchRec's row_wise is GPU only: on CPUs the big tables meet its table_wise, and the run says so.
-    assert "TorchRec offers no row_wise on cpu" in done.stdout
+    assert "TorchRec offers no row_wise on cpu" in stdout
     with open(os.path.join(out, "results.json")) as f:
         rows = json.load(f)["rows"]
     assert [(r["scenario"], r["short"], r["config"]["batch_size"]) for r in rows] == [

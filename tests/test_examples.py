@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import EXAMPLE, run_example
+from dist_utils import EXAMPLE, run_example, torchrun
 
 
 @pytest.mark.parametrize("trained,served", [("pgas_table_wise", "table_wise"), ("table_wise", "pgas_table_wise")])
@@ -82,19 +82,7 @@ def test_pgas_row_wise_trains_and_serves_next_to_table_wise(tmp_path):
 
 
 def test_torchrec_row_wise_on_cpu_says_to_use_pgas_row_wise(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.join(EXAMPLE, "train.py"),
-        "--sharding",
-        "row_wise",
-        "--steps",
-        "2",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = torchrun(os.path.join(EXAMPLE, "train.py"), "--sharding", "row_wise", "--steps", "2", timeout=300)
     assert done.returncode != 0
     assert "TorchRec's row_wise runs on GPUs only; on CPU use --sharding pgas_row_wise" in done.stdout + done.stderr
 

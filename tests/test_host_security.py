@@ -23,6 +23,7 @@ from dist_utils import (
     reference_pooled,
     run_ranks,
     shard,
+    stream_through_mailbox,
 )
 from torchrec import EmbeddingBagCollection
 
@@ -124,11 +125,6 @@ def test_a_locked_segment_is_not_swept_whatever_pid_its_name_carries(tmp_path):
 # ------------------------------------------------- jobs beside other users' files
 
 
-def _payload(step: int, source: int, dest: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 10_000 + source * 100 + dest)
-    return torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64)
-
-
 def _serve(rank, world_size, steps=8, n=1000 + 17, warmup_allocs=0):
     """Streams ``steps`` steps through a mailbox and checks every byte; ``warmup_allocs``
     allocations first, a pause after each, give a watcher time to see names."""
@@ -137,16 +133,7 @@ def _serve(rank, world_size, steps=8, n=1000 + 17, warmup_allocs=0):
         t.alloc(64)
         time.sleep(0.3)
     box = Mailbox(t, slot_bytes=8 * n, per_source=True, name="test stream")
-    for step in range(1, steps + 1):
-        for dest in range(world_size):
-            base = box.begin_send(dest, step)
-            t.put(box.buffer, dest, base, _payload(step, rank, dest, n))
-            box.end_send(dest, step)
-        for source in range(world_size):
-            box.wait(source, step)
-            got = box.slot(source, step).view(torch.int64)
-            assert torch.equal(got, _payload(step, source, rank, n)), (step, source)
-            box.release(source, step)
+    stream_through_mailbox(t, box, rank, world_size, steps, n)
     t.barrier()
     t.close()
 

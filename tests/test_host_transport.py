@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import run_ranks, stream_through_mailbox
 
 from torchrec_pgas.transport import Mailbox, PgasTimeoutError
 from torchrec_pgas.transport.host import HostTransport
@@ -16,28 +16,13 @@ from torchrec_pgas.transport.host import HostTransport
 SEGMENTS = "/dev/shm/torchrec_pgas.*"
 
 
-def _payload(step: int, source: int, dest: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 10_000 + source * 100 + dest)
-    return torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64)
-
-
 def _mailbox_stream(rank, world_size, steps, n):
-    """Every rank streams ``steps`` steps of n int64 to every rank with no barrier:
-    only the mailbox's signals order the reads, so a torn or early read shows."""
+    """Segments are unlinked once mapped, and the mailbox delivers every step intact."""
     t = HostTransport(dist.group.WORLD, timeout_s=30)
     box = Mailbox(t, slot_bytes=8 * n, per_source=True, name="test stream")
     t.barrier()  # every rank has unlinked its own files
     assert not glob.glob(f"/dev/shm/torchrec_pgas.{t._job}.*"), "segments must be unlinked once mapped"
-    for step in range(1, steps + 1):
-        for dest in range(world_size):
-            base = box.begin_send(dest, step)
-            t.put(box.buffer, dest, base, _payload(step, rank, dest, n))
-            box.end_send(dest, step)
-        for source in range(world_size):
-            box.wait(source, step)
-            got = box.slot(source, step).view(torch.int64)
-            assert torch.equal(got, _payload(step, source, rank, n)), (step, source)
-            box.release(source, step)
+    stream_through_mailbox(t, box, rank, world_size, steps, n)
     box.close()
     t.close()
 

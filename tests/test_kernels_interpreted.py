@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -428,6 +429,31 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed, monkeypatch):
         assert (indices[end - begin :] == -7).all(), "nothing past the group's ids is written"
 
 
+def _requesters(
+    S: int, cap: int, pitch: int, dtype: torch.dtype, rnd: random.Random
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], int, torch.Tensor, torch.Tensor]:
+    """``S`` requesters' outputs (``cap x pitch``, all -1) and counters of row blocks
+    (one per rank of 4), the rank ``me`` the owner counts as, and the addresses a put
+    kernel takes: of each output, and of each requester's counter for ``me``."""
+    outs = [torch.full((cap, pitch), -1.0, dtype=dtype) for _ in range(S)]
+    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
+    me = rnd.randrange(4)
+    out_addrs = torch.tensor([o.data_ptr() for o in outs])
+    return outs, counters, me, out_addrs, torch.tensor([c.data_ptr() + 8 * me for c in counters])
+
+
+def _assert_only_block_written(
+    out: torch.Tensor, rows: int, cols: slice, counters: torch.Tensor, me: int, programs: int
+) -> None:
+    """Of ``out`` (all -1 before), only the first ``rows`` rows of columns ``cols`` are
+    written, and ``counters`` counted ``programs`` programs, all from requester ``me``."""
+    untouched = out.clone()
+    untouched[:rows, cols] = -1.0
+    assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
+    assert int(counters[me]) == programs
+    assert int(counters.sum()) == int(counters[me])
+
+
 @_interpreted
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -442,29 +468,14 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     src = torch.randn(S * cap, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
     headers = torch.zeros(S, HEADER_WORDS, dtype=torch.int64)
     headers[:, 1] = torch.tensor(batches)
-    outs = [torch.full((cap, pitch), -1.0, dtype=dtype) for _ in range(S)]
-    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
-    me = rnd.randrange(4)
-    k.rows_put.rows_put(
-        src,
-        headers[:, 1],
-        torch.tensor([o.data_ptr() for o in outs]),
-        torch.tensor([c.data_ptr() + 8 * me for c in counters]),
-        torch.zeros(S, dtype=torch.int64),
-        torch.zeros(4, dtype=torch.int64),
-        cap,
-        pitch,
-        col,
-        0,
-        10**9,
-    )
+    outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, dtype, rnd)
+    free, err = torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    k.rows_put.rows_put(src, headers[:, 1], out_addrs, cnt_addrs, free, err, cap, pitch, col, 0, 10**9)
     for s, b in enumerate(batches):
         assert torch.equal(outs[s][:b, col : col + dim], src[s * cap : s * cap + b]), s
-        untouched = outs[s].clone()
-        untouched[:b, col : col + dim] = -1.0
-        assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
-        assert int(counters[s][me]) == k.rows_put.programs_per_requester(b)
-        assert int(counters[s].sum()) == int(counters[s][me])
+        _assert_only_block_written(
+            outs[s], b, slice(col, col + dim), counters[s], me, k.rows_put.programs_per_requester(b)
+        )
 
 
 @_interpreted
@@ -612,9 +623,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
         torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64),
         k.bag_offsets.scan_state(F, S, layout, slots.device),
     )
-    outs = [torch.full((cap, pitch), -1.0, dtype=out_dtype) for _ in range(S)]
-    counters = [torch.zeros(4, dtype=torch.int64) for _ in range(S)]
-    me = rnd.randrange(4)
+    outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, out_dtype, rnd)
     done = k.lookup_put.done_counters(S, layout, slots.device)
     for _ in range(2):
         k.lookup_put.lookup_put(
@@ -623,8 +632,8 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
             features,
             tables[0],
             outs[0],
-            torch.tensor([o.data_ptr() for o in outs]),
-            torch.tensor([c.data_ptr() + 8 * me for c in counters]),
+            out_addrs,
+            cnt_addrs,
             done,
             torch.zeros(S, dtype=torch.int64),
             torch.zeros(4, dtype=torch.int64),
@@ -637,11 +646,8 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
         assert not done.any(), "the last program of each block leaves it at zero for the next launch"
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]
-        untouched = outs[s].clone()
-        untouched[:b, first_col : first_col + sum(dims)] = -1.0
-        assert (untouched == -1.0).all(), "nothing outside the owner's block is written"
-        assert int(counters[s][me]) == 2 * k.rows_put.programs_per_requester(b)
-        assert int(counters[s].sum()) == int(counters[s][me])
+        block = slice(first_col, first_col + sum(dims))
+        _assert_only_block_written(outs[s], b, block, counters[s], me, 2 * k.rows_put.programs_per_requester(b))
         for f in range(F):
             start = int(lengths[:f].sum())
             for i in range(b):

@@ -2,6 +2,8 @@
 does, and compiles (or reuses) exactly when Triton does. Without a GPU: a stand-in
 driver, and a stand-in compile that records each compiled variant and the launches."""
 
+from typing import Iterator, Tuple
+
 import pytest
 import torch
 
@@ -106,30 +108,31 @@ CALLS = [
 ]
 
 
-def test_launches_are_triton_launches(launches):
-    launcher = Launcher(_kernel)
-    for args, kwargs in CALLS:
+def _launch_each_call_thrice(launcher: Launcher, launches: list) -> Iterator[Tuple[tuple, tuple, list]]:
+    """For each of ``CALLS``: the call, the launch Triton itself makes of it, and what
+    three launches of it through ``launcher`` recorded after that."""
+    for call in CALLS:
+        args, kwargs = call
         launches.clear()
         _kernel[(3, 2)](*args, **kwargs)
         expected = launches[-1]
         for _ in range(3):
             launcher[(3, 2)](*args, **kwargs)
+        yield call, expected, launches[2:]
+
+
+def test_launches_are_triton_launches(launches):
+    for call, expected, recorded in _launch_each_call_thrice(Launcher(_kernel), launches):
         # The first launch through Triton (the variant's compile), then direct ones.
-        assert launches[2:] == [("through Triton", None), expected, expected, expected], (args, kwargs)
+        assert recorded == [("through Triton", None), expected, expected, expected], call
 
 
 def test_the_generic_launch_is_tritons_own(launches, monkeypatch):
     """``fast=False`` (on a Triton the fast path was not written for, or when
     ``TORCHREC_PGAS_TRITON_LAUNCH=generic``) sends every launch through Triton."""
     monkeypatch.setattr(Launcher, "_launch", lambda *a, **k: pytest.fail("the fast path ran"))
-    launcher = Launcher(_kernel, fast=False)
-    for args, kwargs in CALLS:
-        launches.clear()
-        _kernel[(3, 2)](*args, **kwargs)
-        expected = launches[-1]
-        for _ in range(3):
-            launcher[(3, 2)](*args, **kwargs)
-        assert launches[2:] == [("through Triton", None), expected] * 3, (args, kwargs)
+    for call, expected, recorded in _launch_each_call_thrice(Launcher(_kernel, fast=False), launches):
+        assert recorded == [("through Triton", None), expected] * 3, call
 
 
 @triton.jit(do_not_specialize=["n", "m"])
