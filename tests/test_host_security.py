@@ -264,3 +264,44 @@ def _serve_after_destroy(rank, world_size):
 
 def test_a_model_raises_on_every_rank_after_its_process_group_is_destroyed():
     run_ranks(_serve_after_destroy, 2, deadline_s=120)
+
+
+# ------------------------------------------------------ a rank that cannot map a file
+
+
+def _job_files(job: str) -> list:
+    return [name for name in os.listdir(SHM) if name.startswith(f"torchrec_pgas.{job}.")]
+
+
+def _one_rank_cannot_map(rank, world_size):
+    t = HostTransport(dist.group.WORLD, timeout_s=30)
+    open_ = os.open
+
+    def refuse_peers(path, flags, *args, **kwargs):
+        # Creating its own file works; opening a peer's (rank 0's, first) does not.
+        if os.path.basename(os.fspath(path)).startswith("torchrec_pgas.") and not flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return open_(path, flags, *args, **kwargs)
+
+    if rank == 1:
+        os.open = refuse_peers
+    start = time.monotonic()
+    try:
+        with pytest.raises(PgasError, match=r"rank 1: cannot map the segment of rank 0: .*Permission denied"):
+            t.alloc(1000 + 17 * rank)
+    finally:
+        os.open = open_
+    assert time.monotonic() - start < 10, "a rank waited for its failed peer"
+    t.barrier()  # every rank has raised and cleaned up: the group still works
+    assert _job_files(t._job) == [], f"rank {rank}: a failed allocation left {_job_files(t._job)} in /dev/shm"
+    t.barrier()  # both have looked before either allocates again
+    # The transport still serves once the cause is gone.
+    buf = t.alloc(64)
+    t.put(buf, 1 - rank, 0, torch.full((8,), rank, dtype=torch.uint8))
+    t.barrier()
+    assert buf.local[:8].tolist() == [1 - rank] * 8
+    t.close()
+
+
+def test_a_rank_that_cannot_map_a_file_makes_every_rank_raise_and_leaves_no_file():
+    run_ranks(_one_rank_cannot_map, 2, deadline_s=60)

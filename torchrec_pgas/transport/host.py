@@ -51,6 +51,7 @@ from torchrec_pgas.transport.base import (
     SignalArray,
     SymmetricBuffer,
     Transport,
+    raise_unless_every_rank_ready,
 )
 
 _SHM_DIR = "/dev/shm"
@@ -180,33 +181,65 @@ class HostTransport(Transport):
         sweep_stale_segments()
 
     def _map_all(self, nbytes: int, signals: int = 0) -> _Mapping:
+        """Creates this rank's file and maps every rank's (collective). A rank that
+        cannot create or map a file says so in the closing collective, so every rank
+        raises there, with its maps dropped and its file unlinked, rather than leaving
+        its peers waiting for it."""
         size = max(nbytes, 8)
-        name, fd = _create_segment(self._job, size)
-        own = os.path.join(_SHM_DIR, name)
-        self._linked[own] = fd
-        names: List[str] = [""] * self.world_size
+        error = None
+        own = None
+        try:
+            name, fd = _create_segment(self._job, size)
+            own = os.path.join(_SHM_DIR, name)
+            self._linked[own] = fd
+        except (PgasError, OSError) as e:
+            name, error = None, f"cannot create a segment of {size} bytes in {_SHM_DIR}: {e}"
+        names: List["str | None"] = [None] * self.world_size
         dist.all_gather_object(names, name, group=self.group)
-        maps, peers = [], []
-        for peer, peer_name in enumerate(names):
-            if not _NAME_RE.match(peer_name):
-                raise PgasError(f"rank {self.rank}: rank {peer} sent a bad segment name {peer_name!r}")
-            peer_fd = os.open(os.path.join(_SHM_DIR, peer_name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                mm = mmap.mmap(peer_fd, size)
-            finally:
-                os.close(peer_fd)
-            maps.append(mm)
-            peers.append(torch.frombuffer(mm, dtype=torch.uint8)[:nbytes])
-        # The lock's unlocked value is the C library's business (it is 1 on x86).
-        base = peers[self.rank].data_ptr()
-        for i in range(signals):
-            _PTHREAD.pthread_spin_init(base + i * _SIGNAL_RECORD, _PTHREAD_PROCESS_SHARED)
-        # Every rank has mapped every file and initialized its locks: the files
-        # themselves are no longer needed.
-        self.barrier()
-        self._unlink_own(own)
+        maps: List[mmap.mmap] = []
+        peers: List[torch.Tensor] = []
+        if error is None and None not in names:  # a rank without a file says so itself
+            error = self._map_peers(names, size, nbytes, maps, peers)  # type: ignore[arg-type]
+            if error is None:
+                # The lock's unlocked value is the C library's business (it is 1 on x86).
+                base = peers[self.rank].data_ptr()
+                for i in range(signals):
+                    _PTHREAD.pthread_spin_init(base + i * _SIGNAL_RECORD, _PTHREAD_PROCESS_SHARED)
+        # Once every rank is past this, every rank has mapped every file and initialized
+        # its locks: the files themselves are no longer needed.
+        try:
+            raise_unless_every_rank_ready(self.group, error)
+        except PgasError:
+            maps.clear()
+            peers.clear()
+            raise
+        finally:
+            if own is not None:
+                self._unlink_own(own)
         # Nothing else holds the mapping: it is unmapped when its buffer is dropped.
         return _Mapping(peers=peers, maps=maps)
+
+    def _map_peers(
+        self, names: List[str], size: int, nbytes: int, maps: List[mmap.mmap], peers: List[torch.Tensor]
+    ) -> "str | None":
+        """Maps the files ``names`` into ``maps`` and ``peers``, in rank order; returns
+        what went wrong, with nothing left mapped, or None."""
+        for peer, peer_name in enumerate(names):
+            try:
+                if not _NAME_RE.match(peer_name):
+                    raise PgasError(f"rank {peer} sent a bad segment name {peer_name!r}")
+                peer_fd = os.open(os.path.join(_SHM_DIR, peer_name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    mm = mmap.mmap(peer_fd, size)
+                finally:
+                    os.close(peer_fd)
+            except (PgasError, OSError, ValueError) as e:
+                maps.clear()
+                peers.clear()
+                return f"cannot map the segment of rank {peer}: {e}"
+            maps.append(mm)
+            peers.append(torch.frombuffer(mm, dtype=torch.uint8)[:nbytes])
+        return None
 
     def _unlink_own(self, path: str) -> None:
         """Unlinks one of this rank's files, then lets go of its lock (in that order: an
