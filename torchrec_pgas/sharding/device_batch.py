@@ -17,6 +17,8 @@ from torchrec_pgas.sharding.device_routing import IdsRouting
 from torchrec_pgas.sharding.tw_base import TwFeature
 
 _FLOATS = {torch.float32, torch.float16, torch.bfloat16}
+#: What ``failure_texts`` gives for a message a later send overwrote.
+_OVERWRITTEN = "(its message was overwritten by a later send: see that rank)"
 
 
 @dataclass
@@ -139,12 +141,18 @@ def put_text(chunks: torch.Tensor, text: torch.Tensor) -> None:
 def failure_texts(headers: Sequence[Header], slots: torch.Tensor, layout: IdsSlotLayout) -> List[str]:
     """The messages of the ``Status.FAILED`` slots among a step's ``slots`` (every
     source's, as received, with its ``headers``). The slots were given back at the
-    receive, and a source may have sent into them since: a slot whose header is no
-    longer the step's gives no message."""
+    receive, and a source may have sent into them since, even while the text is read:
+    a text counts only if the slot's header is the step's both before and after it."""
     texts = []
     for h, slot in zip(headers, slots.view(len(headers), -1)):
-        failed = h.status == Status.FAILED and layout.header(slot) == h
-        texts.append(layout.text(slot, h.detail[0]) if failed else "")
+        text = ""
+        if h.status == Status.FAILED:
+            text = _OVERWRITTEN
+            if layout.header(slot) == h:
+                read = layout.text(slot, h.detail[0])
+                if layout.header(slot) == h:
+                    text = read
+        texts.append(text)
     return texts
 
 

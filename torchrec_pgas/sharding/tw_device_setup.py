@@ -112,7 +112,8 @@ class DeviceTwSetup(BaseTwExchange):
         if any(h.status == Status.FAILED for h in headers):
             assert self._buffers is not None and self._layout is not None
             texts = failure_texts(headers, self._buffers.slots(route.step), self._layout)
-        self._raise_for_bad_headers(headers, self._out_step, texts)
+        # The ids step, as the host exchange names it: output steps skip dropped ones.
+        self._raise_for_bad_headers(headers, route.step, texts)
 
     def close(self) -> None:
         """Frees the exchange's symmetric memory (collective: every rank closes at the
