@@ -1,9 +1,9 @@
 """Launches of compiled Triton kernels without Triton's per-launch dispatch.
 
-``JITFunction.run`` spends tens of microseconds of Python on every launch (device and
-stream, binding and specializing the arguments, the cache key, the check of global
-values, launch metadata) before it calls the compiled kernel's launcher. A PGAS step
-launches about ten kernels, and at typical batch sizes a step's time is the host's.
+``JITFunction.run`` does a lot of Python on every launch (device and stream, binding
+and specializing the arguments, the cache key, the check of global values, launch
+metadata) before it calls the compiled kernel's launcher. A PGAS step launches about
+ten kernels, and at typical batch sizes a step's time is the host's.
 
 ``Launcher`` sends a launch whose specialization it has seen straight to that compiled
 kernel's launcher. It finds the specialization without Triton's binder where it can:
@@ -63,7 +63,8 @@ if FAST_PATH:
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for grids on the host: ``triton.cdiv`` is a constexpr function,
-    whose call from Python costs microseconds."""
+    whose call from Python goes through Triton's wrapper (unwrapping every argument)
+    rather than being one integer operation."""
     return -(-a // b)
 
 

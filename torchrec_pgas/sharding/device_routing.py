@@ -223,8 +223,9 @@ def first_batch_sizes(
     group: dist.ProcessGroup,
     device: torch.device,
 ) -> Tuple[int, int]:
-    """The largest batch size and ids per owner of any rank's first batch (collective,
-    and the one device-to-host sync of the set-up)."""
+    """The largest batch size and ids per owner of any rank's first batch (collective:
+    the set-up's read of the first batch's sizes; the set-up also reads address tables
+    back once)."""
     ids_per_owner = offsets.new_zeros(1)
     if batch_size:
         per_feature = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
