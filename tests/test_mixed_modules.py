@@ -215,6 +215,24 @@ def test_row_wise_leaving_a_rank_without_rows_is_refused_on_every_rank():
     run_ranks(_row_wise_without_rows, WORLD, deadline_s=120)
 
 
+def _bad_first_batch_on_rank_1(rank, world_size, case):
+    """A refused first batch must not fix the feature order of the batches after it
+    on its rank (TorchRec's input dist keeps the order of the first batch it takes)."""
+    mix = "pgas_tw+pgas_rw"
+    tables, ref, model = _model(mix)
+    keys = ("f2", "f0", "f1")  # not the shardings' order: f0, f2 (pgas_tw), f1 (pgas_rw)
+    make_bad, message = BAD[case]
+    with pytest.raises(PgasInputError, match=message):
+        model(make_bad() if rank == 1 else _good(tables, 4, seed=10, keys=keys))
+    for step in range(2):
+        _check(model, tables, ref, _good(tables, 2 + rank + step, seed=20 + 2 * step + rank, keys=keys), mix)
+
+
+@pytest.mark.parametrize("case", ["negative length -1", "duplicate key", "missing key"])
+def test_a_bad_first_batch_on_one_rank_leaves_the_module_serving(case):
+    run_ranks(_bad_first_batch_on_rank_1, WORLD, case=case, deadline_s=180)
+
+
 def _small_first_batch(rank, world_size, mix, first):
     """A first batch that is empty on every rank, or of one sample and refused (an id
     out of range on rank 1), does not size the buffers at one sample and one id for

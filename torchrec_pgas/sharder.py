@@ -1,5 +1,6 @@
 """The sharder and sharded module that put the PGAS sharding types into TorchRec."""
 
+import functools
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -30,9 +31,14 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
-from torchrec_pgas.kernels.ids_slot import Status
 from torchrec_pgas.sharding.base import PgasShardingMixin
-from torchrec_pgas.sharding.batch_checks import batch_problem, empty_batch, input_problem, left_to_the_exchange
+from torchrec_pgas.sharding.batch_checks import (
+    first_batch_problem,
+    input_problem,
+    module_batch_problem,
+    raise_on_every_rank,
+    send_problem,
+)
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
 from torchrec_pgas.sharding.tw_base import PgasInputError, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
@@ -65,15 +71,22 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     @post_lookup_tracker_fn.setter
     def post_lookup_tracker_fn(self, fn: Optional[Callable[..., None]]) -> None:
+        # TorchRec calls the getter's value with what the lookup got and returned, so
+        # the getter returns the unwrapping function; ``__wrapped__`` is ``fn``.
+        if fn is None:
+            self.__dict__["_pgas_post_lookup_tracker"] = None
+            return
+        user_fn = fn
+
+        @functools.wraps(user_fn)
         def unwrapped(features: Any, embs: Any, *args: Any) -> None:
-            assert fn is not None
-            fn(
+            user_fn(
                 features.kjt if isinstance(features, HostBatch) else features,
                 embs.embs if isinstance(embs, PooledLookup) else embs,
                 *args,
             )
 
-        self.__dict__["_pgas_post_lookup_tracker"] = None if fn is None else unwrapped
+        self.__dict__["_pgas_post_lookup_tracker"] = unwrapped
 
     def _refuse_mean_across_row_wise_kinds(self) -> None:
         """TorchRec divides its whole output by one mean divisor when a table of its
@@ -147,26 +160,13 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         pgas = [s for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
         if not pgas or not isinstance(features, KeyedJaggedTensor):
             return super().input_dist(ctx, features)
-        problem = self._first_batch_problem(features) or batch_problem(
-            features, self._batch_keys, [f for s in self._embedding_shardings for f in s.feature_names()]
-        )
+        problem = module_batch_problem(features, self._batch_keys, self._sharding_feature_names())
+        if problem is None and self._has_uninitialized_input_dist:
+            problem = first_batch_problem(features, self._embedding_bag_configs)
         if len(pgas) < len(self._embedding_shardings):
-            self._raise_on_every_rank(problem)
+            raise_on_every_rank(self._env.process_group, problem)
         elif problem is not None:
-            # The PGAS shardings send the problem for this step, in place of the batch:
-            # as its header status where one names it, else as a message.
-            report = input_problem(features)
-            for sharding in pgas:
-                sharding.report_input_problem(*(report or (Status.FAILED, (f"its {problem}",))))
-            try:
-                return super().input_dist(
-                    ctx, empty_batch(self._batch_keys or self._sharding_feature_names(), features.device())
-                )
-            finally:
-                # Each send took its report; one that failed before sending must not pass
-                # the report on to the next batch.
-                for sharding in pgas:
-                    sharding.report_input_problem(None, None)
+            return self._refused_input_dist(ctx, features, problem)
         if self._batch_keys is None:
             self._batch_keys = list(features.keys())
         if not features.variable_stride_per_key():
@@ -177,32 +177,21 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _sharding_feature_names(self) -> List[str]:
         return [f for s in self._embedding_shardings for f in s.feature_names()]
 
-    def _first_batch_problem(self, features: KeyedJaggedTensor) -> Optional[str]:
-        """TorchRec's validation of the first batch, which raises on that rank alone."""
-        if not self._has_uninitialized_input_dist or features.variable_stride_per_key():
-            return None
-        try:
-            validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
-        except Exception as e:
-            return f"first batch fails TorchRec's validation ({e})"
-        return None
-
-    def _raise_on_every_rank(self, problem: Optional[str]) -> None:
-        """Raises the same ``PgasInputError`` on every rank if any rank has a problem;
-        one all_reduce of one number, and a gather of the messages if any."""
-        pg = self._env.process_group
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
-        )
-        flag = torch.tensor([int(problem is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-        if not int(flag.item()):
-            return
-        everyone: List[Optional[str]] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(everyone, problem, group=pg)
-        raise PgasInputError(
-            "; ".join(f"rank {r} sent a batch whose {p}" for r, p in enumerate(everyone) if p is not None)
-        )
+    def _refused_input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor, problem: str
+    ) -> Awaitable[Awaitable[Any]]:
+        """The input dist of a batch refused in a module of PGAS shardings only: each
+        sharding sends ``problem`` in place of its part of the batch, and every rank
+        raises for this step where it receives it. TorchRec's input dist stays out of
+        it: set up by a stand-in, it would keep the stand-in's feature order for good."""
+        ctx.variable_batch_per_feature = False
+        awaitables = []
+        with torch.no_grad():
+            for sharding in self._embedding_shardings:
+                dist_ = sharding.create_input_dist()
+                awaitables.append(send_problem(sharding, features, problem, sharding.feature_names(), dist_))
+                ctx.sharding_contexts.append(EmbeddingShardingContext(batch_size_per_feature_pre_a2a=[]))
+        return KJTListSplitsAwaitable(awaitables, ctx, self._module_fqn, self._sharding_types)
 
     def _direct_input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
@@ -240,7 +229,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # one: here every rank learns of it (a problem the exchange reports itself, such
         # as lengths that disagree with the values, is left to the exchange).
         invalid = None
-        if eligible and self._has_uninitialized_input_dist and not left_to_the_exchange(features):
+        if eligible and self._has_uninitialized_input_dist and input_problem(features) is None:
             try:
                 validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
             except ValueError as e:

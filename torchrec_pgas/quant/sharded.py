@@ -25,8 +25,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_pgas.kernels.ids_slot import Status
-from torchrec_pgas.sharding.batch_checks import batch_problem, empty_batch, input_problem
+from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch
 from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
@@ -171,7 +170,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._length_per_key, self._columns = _output_columns(configs, per_rank, self._keys)
 
     def _problem(self, features: KeyedJaggedTensor) -> Optional[str]:
-        problem = batch_problem(features, self._batch_keys, self._needed)
+        problem = module_batch_problem(features, self._batch_keys, self._needed)
         if problem is None and self._is_weighted and features.weights_or_none() is None:
             problem = "per-sample weights are missing: the module's tables are weighted"
         return problem
@@ -182,11 +181,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         exchange = self._exchange
         problem = self._problem(features)
         if problem is not None:
-            exchange.report_input_problem(*(input_problem(features) or (Status.FAILED, (f"its {problem}",))))
-            try:
-                return send_ids(exchange, empty_batch(self._input_keys, features.device()))
-            finally:
-                exchange.report_input_problem(None, None)
+            return send_problem(exchange, features, problem, self._input_keys, lambda kjt: send_ids(exchange, kjt))
         keys = features.keys()
         if self._batch_keys is None:
             self._batch_keys = list(keys)

@@ -29,6 +29,7 @@ from torchrec_pgas.sharding.dists import (
     PgasSparseFeaturesDist,
 )
 from torchrec_pgas.sharding.exchange import Exchange, LookupInput, PooledLookup
+from torchrec_pgas.sharding.tw_base import setup_failed_earlier
 from torchrec_pgas.types import PgasOptions
 
 
@@ -89,7 +90,7 @@ class PgasShardingMixin:
         # same order. A set-up that failed is not retried (its peers would not take
         # part again): every later call raises its error.
         if self._setup_error is not None:
-            raise RuntimeError(f"{self.pgas_name}: set-up failed earlier: {self._setup_error}") from self._setup_error
+            raise setup_failed_earlier(self.pgas_name, self._setup_error) from self._setup_error
         if self._exchange is None:
             try:
                 self._check_options_agree()

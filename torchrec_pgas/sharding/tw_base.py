@@ -199,9 +199,7 @@ class BaseTwExchange:
         buffers, and every later call raises the original error rather than tripping
         over the missing buffers."""
         if self._setup_error is not None:
-            raise PgasError(
-                f"{self._name}: the exchange's set-up failed earlier: {self._setup_error}"
-            ) from self._setup_error
+            raise setup_failed_earlier(self._name, self._setup_error) from self._setup_error
         try:
             self._allocate(*args)
         except BaseException as e:
@@ -276,6 +274,12 @@ class BaseTwExchange:
             (status, detail), self._reported = self._reported, None
             return status, detail, 0
         return batch_problem(kjt, self._input_keys)
+
+
+def setup_failed_earlier(name: str, error: BaseException) -> PgasError:
+    """What every call after a failed set-up raises (``error`` as its cause): a
+    set-up is collective, so one rank cannot retry it alone."""
+    return PgasError(f"{name}: the set-up failed earlier: {error}")
 
 
 def key_problem(keys: Sequence[str], expected: Sequence[str]) -> Optional[Tuple[int, int, int]]:
