@@ -121,6 +121,7 @@ class TwExchange(BaseTwExchange):
         return self._routing.by_owner(kjt, self._input_pos if self._reordered else None)
 
     def _send(self, kjt: KeyedJaggedTensor) -> int:
+        self._t.check_alive(self._name)
         problem = self._host_problem(kjt)
         if problem is not None:
             status, detail, batch_size = problem
@@ -205,9 +206,10 @@ class TwExchange(BaseTwExchange):
             if h.status == Status.OK:
                 ln = layout.lengths(slot, nf * h.batch_size).view(nf, h.batch_size).clone()
                 lengths.append(ln)
-                ids.append(layout.ids(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
+                per_feature = ln.sum(1).tolist()
+                ids.append(layout.ids(slot, h.num_ids).clone().split(per_feature))
                 if h.has_weights:
-                    weights.append(layout.weights(slot, h.num_ids).clone().split(ln.sum(1).tolist()))
+                    weights.append(layout.weights(slot, h.num_ids).clone().split(per_feature))
             box.release(source, step)
         self._raise_for_bad_headers(headers, step, texts)
         has_weights = {h.has_weights for h in headers}
@@ -233,6 +235,7 @@ class TwExchange(BaseTwExchange):
         output (``output`` says where the rows go and how they are combined)."""
         box = self._out
         assert box is not None
+        self._t.check_alive(self._name)
         self._out_step += 1
         step = self._out_step
         me = self._t.rank
@@ -255,6 +258,7 @@ class TwExchange(BaseTwExchange):
         ``divide``)."""
         box = self._grads
         assert box is not None
+        self._t.check_alive(self._name)
         self._grad_step += 1
         step = self._grad_step
         me = self._t.rank
