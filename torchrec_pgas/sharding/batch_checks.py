@@ -113,6 +113,8 @@ T = TypeVar("T")
 
 
 class ProblemReporter(Protocol):
+    """A PGAS sharding or exchange: its next send reports a problem in place of a batch."""
+
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None: ...
 
 
