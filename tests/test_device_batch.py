@@ -1,0 +1,50 @@
+"""The GPU exchange's reading of a failed rank's message, on CPU tensors: the slots of a
+step are given back at the receive, so a later send may overwrite a message while it is
+read; only a text read between two identical headers counts."""
+
+import torch
+
+from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
+from torchrec_pgas.sharding import device_batch
+from torchrec_pgas.sharding.device_batch import failure_texts
+
+
+def _step(layout, message, seed):
+    """Two sources' slots of one step: source 0 sent a batch, source 1 its failure."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, 256, (2, layout.nbytes), dtype=torch.uint8, generator=g)
+    text = layout.encode_text(message)
+    sent = [Header(Status.OK, 3, 5, False, ()), Header(Status.FAILED, 0, 0, False, (text.numel(),))]
+    for slot, header in zip(slots, sent):
+        slot[: layout.lengths_offset].view(torch.int64)[:] = header.encode()
+    slots[1, layout.lengths_offset : layout.lengths_offset + text.numel()] = text
+    return slots, [layout.header(slot) for slot in slots]
+
+
+def test_a_failed_slot_gives_its_message_and_a_good_one_none():
+    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    for seed, message in enumerate(["rank 1 could not send its batch: RuntimeError: boom", "é ü"]):
+        slots, headers = _step(layout, message, seed)
+        assert failure_texts(headers, slots.view(-1), layout) == ["", message]
+
+
+def test_a_message_overwritten_while_read_is_not_shown(monkeypatch):
+    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    slots, headers = _step(layout, "rank 1 could not send its batch: RuntimeError: boom", 0)
+    read = IdsSlotLayout.text
+
+    def text_then_next_send(self, slot, nbytes):
+        out = read(self, slot, nbytes)
+        # The source's next send lands in the slot between the two header reads.
+        slot[: layout.lengths_offset].view(torch.int64)[:] = Header(Status.OK, 2, 2, False, ()).encode()
+        return out
+
+    monkeypatch.setattr(IdsSlotLayout, "text", text_then_next_send)
+    assert failure_texts(headers, slots.view(-1), layout) == ["", device_batch._OVERWRITTEN]
+
+
+def test_a_message_overwritten_before_it_is_read_is_not_shown():
+    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    slots, headers = _step(layout, "rank 1 could not send its batch: RuntimeError: boom", 1)
+    slots[1, : layout.lengths_offset].view(torch.int64)[:] = Header(Status.OK, 2, 2, False, ()).encode()
+    assert failure_texts(headers, slots.view(-1), layout) == ["", device_batch._OVERWRITTEN]
