@@ -8,6 +8,7 @@ import torch.distributed as dist
 from dist_utils import make_tables, random_kjt, run_ranks
 from torch import nn
 from torchrec import EmbeddingBagCollection
+from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv
 from torchrec.inference.modules import quantize_embeddings
@@ -15,6 +16,7 @@ from torchrec.inference.modules import quantize_embeddings
 from torchrec_pgas.quant import (
     PgasQuantEmbeddingBagCollection,
     PgasQuantEmbeddingBagCollectionSharder,
+    plan_quant_model,
     shard_quant_model,
 )
 from torchrec_pgas.sharding.tw_base import PgasInputError
@@ -108,3 +110,62 @@ def _check_sharder_plan(rank, world_size, seed):
 
 def test_sharder_takes_a_torchrec_plan():
     run_ranks(_check_sharder_plan, 2, seed=11)
+
+
+def _check_planned(rank, world_size, seed):
+    tables = make_tables(5, seed)
+    ref = _quantized(tables, "int8", False, seed)
+    constraints = {t.name: ParameterConstraints(sharding_types=["pgas_table_wise"]) for t in tables}
+    model = _Model(_quantized(tables, "int8", False, seed))
+    plan = plan_quant_model(model, dist.group.WORLD, constraints)
+    params = plan.get_plan_for_module("ebc")
+    assert sorted(params) == sorted(t.name for t in tables)
+    assert {p.sharding_type for p in params.values()} == {"pgas_table_wise"}
+    assert {p.compute_kernel for p in params.values()} == {"quant"}
+    # Every rank got rank 0's plan, and the planner used both ranks.
+    owners = {t: p.ranks[0] for t, p in params.items()}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, owners)
+    assert gathered[0] == gathered[1] and set(owners.values()) == {0, 1}, gathered
+    model = shard_quant_model(model, dist.group.WORLD, constraints=constraints, topology=Topology(2, "cpu"))
+    assert isinstance(model.ebc, PgasQuantEmbeddingBagCollection)
+    for step in range(3):
+        kjt = random_kjt(tables, 2 + 3 * rank + step, seed + 10 * step + rank)
+        assert torch.equal(model.ebc(kjt).values(), ref(kjt).values()), step
+    # The same plan, handed over: the same placement.
+    again = shard_quant_model(_Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD, plan=plan)
+    kjt = random_kjt(tables, 4 + rank, seed + 99 + rank)
+    assert torch.equal(again(kjt).values(), ref(kjt).values())
+
+
+def test_planner_constraints_place_quant_tables():
+    """ParameterConstraints naming pgas_table_wise plan INT8 tables through TorchRec's
+    EmbeddingShardingPlanner; served output equals the unsharded quantized module's."""
+    run_ranks(_check_planned, 2, seed=17)
+
+
+def _check_bad_constraints(rank, world_size, seed):
+    tables = make_tables(3, seed)
+    model = _Model(_quantized(tables, "int8", False, seed))
+    cases = [
+        ({"sharding_types": ["pgas_table_wise", "table_wise"]}, r"table 't1' name sharding type\(s\) \['table_wise'\]"),
+        ({"sharding_types": ["pgas_row_wise"]}, r"\['pgas_row_wise'\]; PgasQuantEmbeddingBagCollectionSharder offers"),
+        ({"compute_kernels": ["fused"]}, r"compute kernel\(s\) \['fused'\]"),
+    ]
+    for kwargs, match in cases:
+        constraints = {"t1": ParameterConstraints(**kwargs)}
+        with pytest.raises(ValueError, match=match):
+            shard_quant_model(model, dist.group.WORLD, constraints=constraints)
+    with pytest.raises(ValueError, match=r"tables \['nope'\] that no QuantEmbeddingBagCollection"):
+        plan_quant_model(model, dist.group.WORLD, {"nope": ParameterConstraints(sharding_types=["pgas_table_wise"])})
+    # A planner failure on rank 0 (no device can hold a table) raises on every rank too.
+    tiny = Topology(2, "cpu", hbm_cap=64, ddr_cap=64)
+    with pytest.raises(RuntimeError, match="planning the quantized tables failed on rank 0"):
+        plan_quant_model(model, dist.group.WORLD, topology=tiny)
+    # Still collective afterwards: a good plan follows.
+    plan = plan_quant_model(model, dist.group.WORLD)
+    assert {p.sharding_type for p in plan.get_plan_for_module("ebc").values()} == {"pgas_table_wise"}
+
+
+def test_bad_constraints_raise_on_every_rank():
+    run_ranks(_check_bad_constraints, 2, seed=23)

@@ -7,6 +7,7 @@ from torchrec_pgas.quant.sharded import (
     PgasQuantEmbeddingBagCollection,
     PgasQuantEmbeddingBagCollectionSharder,
     balanced_owners,
+    plan_quant_model,
     shard_quant_model,
 )
 
@@ -14,5 +15,6 @@ __all__ = [
     "PgasQuantEmbeddingBagCollection",
     "PgasQuantEmbeddingBagCollectionSharder",
     "balanced_owners",
+    "plan_quant_model",
     "shard_quant_model",
 ]

@@ -18,13 +18,15 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_pgas.planner import make_planner
 from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch
@@ -228,15 +230,94 @@ class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder)
     ) -> PgasQuantEmbeddingBagCollection:
         if not isinstance(env, ShardingEnv) or env.process_group is None:
             raise ValueError(f"{PGAS_TABLE_WISE}: a ShardingEnv with the process group of every rank is needed")
-        wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type != PGAS_TABLE_WISE}
-        if wrong:
-            raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {PGAS_TABLE_WISE} tables, not {wrong}")
-        owners = {t: int((p.ranks or [0])[0]) for t, p in params.items()}
-        return PgasQuantEmbeddingBagCollection(module, owners, env.process_group, self._pgas_options)
+        return PgasQuantEmbeddingBagCollection(module, _plan_owners(params), env.process_group, self._pgas_options)
 
     @property
     def module_type(self) -> Type[QuantEmbeddingBagCollection]:
         return QuantEmbeddingBagCollection
+
+
+def _plan_owners(params: Mapping[str, ParameterSharding]) -> Dict[str, int]:
+    """table name -> rank from one module's plan, which must be all ``pgas_table_wise``."""
+    wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type != PGAS_TABLE_WISE}
+    if wrong:
+        raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {PGAS_TABLE_WISE} tables, not {wrong}")
+    return {t: int((p.ranks or [0])[0]) for t, p in params.items()}
+
+
+def _quant_modules(model: nn.Module) -> List[Tuple[str, QuantEmbeddingBagCollection]]:
+    if isinstance(model, QuantEmbeddingBagCollection):
+        raise ValueError("shard_quant_model shards submodules: wrap the QuantEmbeddingBagCollection in a module")
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
+
+
+def _check_constraints(
+    model: nn.Module,
+    constraints: Mapping[str, ParameterConstraints],
+    sharder: PgasQuantEmbeddingBagCollectionSharder,
+) -> None:
+    """Raises unless every constraint names a quantized table of ``model`` and only
+    sharding types and kernels ``sharder`` offers. Checked on every rank before rank 0
+    plans: TorchRec's planner reports these on rank 0 alone ("No available sharding
+    type and compute kernel combination", not naming the type), and drops a type it
+    cannot use silently when another is listed beside it."""
+    tables = {t.name for _, m in _quant_modules(model) for t in m.embedding_bag_configs()}
+    unknown = sorted(set(constraints) - tables)
+    if unknown:
+        raise ValueError(f"constraints name tables {unknown} that no QuantEmbeddingBagCollection of the model has")
+    types = sharder.sharding_types("cpu")
+    for name, c in sorted(constraints.items()):
+        bad_types = [t for t in c.sharding_types or [] if t not in types]
+        if bad_types:
+            raise ValueError(
+                f"ParameterConstraints for quantized table {name!r} name sharding type(s) {bad_types}; "
+                f"{type(sharder).__name__} offers {types}"
+            )
+        kernels = sorted({k for t in types for k in sharder.compute_kernels(t, "cpu")})
+        bad_kernels = [k for k in c.compute_kernels or [] if k not in kernels]
+        if bad_kernels:
+            raise ValueError(
+                f"ParameterConstraints for quantized table {name!r} name compute kernel(s) {bad_kernels}; "
+                f"{type(sharder).__name__} offers {kernels}"
+            )
+
+
+def plan_quant_model(
+    model: nn.Module,
+    pg: dist.ProcessGroup,
+    constraints: Optional[Mapping[str, ParameterConstraints]] = None,
+    topology: Optional[Topology] = None,
+    options: Optional[PgasOptions] = None,
+) -> ShardingPlan:
+    """TorchRec's ``EmbeddingShardingPlanner`` plan for the ``QuantEmbeddingBagCollection``
+    modules of ``model`` under ``PgasQuantEmbeddingBagCollectionSharder`` (kernel
+    ``quant``, storage from the quantized rows), honouring ``constraints`` (table name
+    -> ``ParameterConstraints``). ``topology`` defaults to ``pg``'s ranks as CPU
+    devices. Collective, as ``EmbeddingShardingPlanner.collective_plan``: rank 0 plans
+    and broadcasts; bad constraints, and any planner failure, raise on every rank.
+
+    Raises:
+        ValueError: a constraint names a table no quantized module has, or a sharding
+            type or kernel the quant sharder does not offer.
+        RuntimeError: the planner found no plan (its message, on every rank).
+    """
+    sharder = PgasQuantEmbeddingBagCollectionSharder(options=options)
+    _check_constraints(model, constraints or {}, sharder)
+    world_size = dist.get_world_size(pg)
+    topology = topology or Topology(world_size=world_size, compute_device="cpu")
+    if topology.world_size != world_size:
+        raise ValueError(f"topology has {topology.world_size} ranks, the process group {world_size}")
+    planner = make_planner(topology, dict(constraints or {}))
+    result: List[object] = [None]
+    if dist.get_rank(pg) == 0:
+        try:
+            result[0] = planner.plan(model, [sharder])  # type: ignore[list-item]
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            result[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(result, src=dist.get_global_rank(pg, 0), group=pg)
+    if not isinstance(result[0], ShardingPlan):
+        raise RuntimeError(f"planning the quantized tables failed on rank 0: {result[0]}")
+    return result[0]
 
 
 def shard_quant_model(
@@ -244,24 +325,37 @@ def shard_quant_model(
     pg: dist.ProcessGroup,
     owners: Optional[Mapping[str, int]] = None,
     options: Optional[PgasOptions] = None,
+    *,
+    plan: Optional[ShardingPlan] = None,
+    constraints: Optional[Mapping[str, ParameterConstraints]] = None,
+    topology: Optional[Topology] = None,
 ) -> nn.Module:
     """Replaces, in place, every ``QuantEmbeddingBagCollection`` of ``model`` (the
     output of TorchRec's ``quantize_embeddings``) by its ``pgas_table_wise`` sharding
-    over ``pg``; returns ``model``, whose forward is unchanged. ``owners``: table name
-    -> rank, for the tables of every such module (default: ``balanced_owners`` per
-    module). Collective: every rank of ``pg`` calls it with the same model and
-    placement."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
-    if isinstance(model, QuantEmbeddingBagCollection):
-        raise ValueError("shard_quant_model shards submodules: wrap the QuantEmbeddingBagCollection in a module")
+    over ``pg``; returns ``model``, whose forward is unchanged. The placement, one of:
+    ``owners`` (table name -> rank, for the tables of every such module); ``plan`` (a
+    TorchRec ``ShardingPlan`` keyed by module path, all ``pgas_table_wise``);
+    ``constraints`` and/or ``topology`` (planned by ``plan_quant_model``); none
+    (``balanced_owners`` per module). Collective: every rank of ``pg`` calls it with
+    the same model and placement."""
+    planned = constraints is not None or topology is not None
+    if sum((owners is not None, plan is not None, planned)) > 1:
+        raise ValueError("shard_quant_model: give at most one of owners, plan, constraints/topology")
+    targets = _quant_modules(model)
+    if planned:
+        plan = plan_quant_model(model, pg, constraints, topology, options)
     world_size = dist.get_world_size(pg)
     for name, m in targets:
         names = {t.name for t in m.embedding_bag_configs()}
-        placed = (
-            {t: r for t, r in owners.items() if t in names}
-            if owners is not None
-            else balanced_owners(m.embedding_bag_configs(), world_size)
-        )
+        if plan is not None:
+            params = plan.get_plan_for_module(name)
+            if params is None:
+                raise ValueError(f"shard_quant_model: the plan has no entry for module {name!r}")
+            placed = _plan_owners(params)  # type: ignore[arg-type]
+        elif owners is not None:
+            placed = {t: r for t, r in owners.items() if t in names}
+        else:
+            placed = balanced_owners(m.embedding_bag_configs(), world_size)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PgasQuantEmbeddingBagCollection(m, placed, pg, options))
