@@ -1,6 +1,7 @@
-"""pgas_table_wise serving of TorchRec's quantized EmbeddingBagCollection (INT8, INT4,
-FP16 tables) on real gloo process groups, against the unsharded quantized module
-(FBGEMM's int-N kernel), which it must equal bit for bit."""
+"""pgas_table_wise and pgas_row_wise serving of TorchRec's quantized EmbeddingBagCollection
+(INT8, INT4, FP16 tables) on real gloo process groups, against the unsharded quantized
+module (FBGEMM's int-N kernel): table-wise tables equal it bit for bit, row-wise ones
+within fp32 rounding (RW_RTOL, RW_ATOL)."""
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.inference.modules import quantize_embeddings
+from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.quant import (
     PgasQuantEmbeddingBagCollection,
@@ -106,6 +108,13 @@ def _check_sharder_plan(rank, world_size, seed):
     sharded = sharder.shard(qebc, plan, env, torch.device("cpu"))
     kjt = random_kjt(tables, 3 + rank, seed + rank)
     assert torch.equal(sharded(kjt).values(), ref(kjt).values())
+    # A plan naming pgas_row_wise for some tables: row blocks on every rank.
+    params = dict(plan)
+    for name in ("t0", "t3"):
+        params[name] = ParameterSharding(sharding_type="pgas_row_wise", compute_kernel="quant", ranks=[0, 1])
+    mixed = sharder.shard(_quantized(tables, "fp16", False, seed), params, env, torch.device("cpu"))
+    assert mixed.local_row_wise is not None
+    torch.testing.assert_close(mixed(kjt).values(), ref(kjt).values(), rtol=RW_RTOL, atol=RW_ATOL)
 
 
 def test_sharder_takes_a_torchrec_plan():
@@ -169,3 +178,68 @@ def _check_bad_constraints(rank, world_size, seed):
 
 def test_bad_constraints_raise_on_every_rank():
     run_ranks(_check_bad_constraints, 2, seed=23)
+
+
+def _check_row_wise(rank, world_size, dtype, pooling, weighted, seed):
+    tables = make_tables(3, seed, pooling)
+    tables[1].num_embeddings = 37  # an uneven last row block: 19 and 18 rows
+    ref = _quantized(tables, dtype, weighted, seed)
+    owners = {"t0": "pgas_row_wise", "t1": "pgas_row_wise", "t2": 1}
+    model = shard_quant_model(_Model(_quantized(tables, dtype, weighted, seed)), dist.group.WORLD, owners=owners)
+    assert model.ebc.local_row_wise.embedding_bag_configs()[1].num_embeddings == (19, 18)[rank]
+    worst = 0.0
+    for step in range(4):
+        # Uneven batches, an empty one on rank 0 at step 1, empty bags throughout.
+        batch = 0 if (rank, step) == (0, 1) else 2 + 4 * rank + step
+        kjt = random_kjt(tables, batch, seed + 100 * step + rank, weighted=weighted)
+        out, expected = model(kjt), ref(kjt)
+        assert out.keys() == expected.keys() and out.values().dtype == expected.values().dtype
+        assert out.values().shape == expected.values().shape
+        # Partial sums added at the requester: FBGEMM's single pass up to fp32 rounding.
+        torch.testing.assert_close(out.values(), expected.values(), rtol=RW_RTOL, atol=RW_ATOL)
+        # The table-wise table (t2, the last columns) stays bit for bit.
+        width = tables[2].embedding_dim
+        assert torch.equal(out.values()[:, -width:], expected.values()[:, -width:])
+        worst = max(worst, float((out.values() - expected.values()).abs().max()) if batch else 0.0)
+    print(f"rank {rank}: row-wise {dtype} max abs difference from unsharded {worst:.3g}")
+
+
+#: Row-wise vs FBGEMM's single pass, measured on these inputs: unweighted sums equal;
+#: weighted sums within ~3e-8 (fp32 partial sums added in another order); means within
+#: ~2e-7 (sum / (count + 1e-6), TorchRec's row_wise divisor, vs FBGEMM's sum / count).
+RW_RTOL, RW_ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+@pytest.mark.parametrize("pooling,weighted", [("SUM", False), ("MEAN", False), ("SUM", True)])
+def test_row_wise_beside_table_wise(dtype, pooling, weighted):
+    """Two tables pgas_row_wise (one of rows uneven over 2 ranks), one pgas_table_wise,
+    in one module: output within fp32 rounding of the unsharded quantized module."""
+    run_ranks(_check_row_wise, 2, dtype=dtype, pooling=PoolingType[pooling], weighted=weighted, seed=31 + len(dtype))
+
+
+def _check_row_wise_bad_ids(rank, world_size, seed):
+    tables = make_tables(2, seed)
+    ref = _quantized(tables, "int8", False, seed)
+    owners = {"t0": 0, "t1": "pgas_row_wise"}
+    model = shard_quant_model(_Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD, owners=owners)
+    kjt = random_kjt(tables, 4 + rank, seed + rank)
+    if rank == 1:
+        values = kjt.values().clone()
+        values[-1] = tables[-1].num_embeddings  # one past the row-wise table's last row
+        kjt = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    with pytest.raises(PgasInputError, match="rank 1"):
+        model(kjt)
+    with pytest.raises(PgasInputError, match=r"rank 0 could not send its batch: its features \[.f0.\] are not"):
+        model(random_kjt(tables[:1], 3, seed) if rank == 0 else random_kjt(tables, 3, seed))
+    for step in range(2):
+        kjt = random_kjt(tables, 2 + 3 * rank + step, seed + 7 + rank + step)
+        torch.testing.assert_close(model(kjt).values(), ref(kjt).values(), rtol=RW_RTOL, atol=RW_ATOL)
+    with pytest.raises(ValueError, match=r"neither ranks of a world of 2 nor 'pgas_row_wise'"):
+        shard_quant_model(
+            _Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD, owners={"t0": 0, "t1": "rw"}
+        )
+
+
+def test_row_wise_bad_input_raises_on_every_rank():
+    run_ranks(_check_row_wise_bad_ids, 2, seed=41)

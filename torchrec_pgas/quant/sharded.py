@@ -9,9 +9,15 @@ with the very module TorchRec serves unsharded (a ``QuantEmbeddingBagCollection`
 its own tables, whose FBGEMM int-N kernel dequantizes each row), and puts the pooled
 rows back. Each bag is pooled by the same kernel over the same rows in the same order
 as unsharded, so the output equals the unsharded module's bit for bit.
+
+Tables may instead be served ``pgas_row_wise`` (``RwExchange``): every rank holds
+the row block TorchRec's ``row_wise`` gives it, pools it with the same kernel, and
+the requester adds the owners' partial sums in rank order. Those sums are the
+unsharded ones up to fp32 rounding (other order of additions), not bit for bit.
 """
 
 import copy
+import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -21,7 +27,7 @@ from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -30,10 +36,15 @@ from torchrec_pgas.planner import make_planner
 from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch
+from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import get_transport
-from torchrec_pgas.types import PGAS_TABLE_WISE, PgasOptions
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasOptions
+
+# Where a table goes: the rank that holds it whole, or ``PGAS_ROW_WISE`` (a row
+# block on every rank).
+Placement = Union[int, str]
 
 
 def _lookup_order(tables: Sequence[EmbeddingBagConfig]) -> List[EmbeddingBagConfig]:
@@ -72,32 +83,52 @@ def balanced_owners(tables: Sequence[EmbeddingBagConfig], world_size: int) -> Di
 def _check_plan(
     module: QuantEmbeddingBagCollection,
     configs: Sequence[EmbeddingBagConfig],
-    owners: Mapping[str, int],
+    owners: Mapping[str, Placement],
     world_size: int,
 ) -> None:
     """Raises unless ``owners`` places every table of ``module`` on a rank of the world
-    and the module is one this path serves (CPU)."""
+    or row-wise over it, each of a row-wise table's row blocks has rows, and the module
+    is one this path serves (CPU)."""
     problems = sorted(set(t.name for t in configs) ^ set(owners))
     if problems:
         raise ValueError(f"{PGAS_TABLE_WISE}: owners must name every table of the module once; differ: {problems}")
-    bad = {t: r for t, r in owners.items() if not 0 <= r < world_size}
+    bad = {
+        t: r
+        for t, r in owners.items()
+        if r != PGAS_ROW_WISE and not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size)
+    }
     if bad:
-        raise ValueError(f"{PGAS_TABLE_WISE}: owners {bad} are not ranks of a world of {world_size}")
+        raise ValueError(
+            f"{PGAS_TABLE_WISE}: owners {bad} are neither ranks of a world of {world_size} nor {PGAS_ROW_WISE!r}"
+        )
+    empty = [t.name for t in configs if owners[t.name] == PGAS_ROW_WISE and 0 in _row_blocks(t, world_size)]
+    if empty:
+        raise ValueError(
+            f"{PGAS_ROW_WISE}: tables {empty} leave a rank without rows (ceil(rows / {world_size}) per rank); "
+            "place them on one rank instead"
+        )
     if module.device.type != "cpu":
         raise NotImplementedError(
             f"{PGAS_TABLE_WISE}: quantized tables are served on CPU ranks only so far, not {module.device}"
         )
 
 
+def _row_blocks(table: EmbeddingBagConfig, world_size: int) -> List[int]:
+    """The rows each rank holds of ``table`` under TorchRec's ``row_wise``:
+    ``ceil(rows / world)`` each, the last ranks what is left."""
+    block = -(-table.num_embeddings // world_size)
+    return [max(0, min(block, table.num_embeddings - r * block)) for r in range(world_size)]
+
+
 def _output_columns(
-    configs: Sequence[EmbeddingBagConfig], per_rank: Sequence[Sequence[EmbeddingBagConfig]], keys: Sequence[str]
+    configs: Sequence[EmbeddingBagConfig], blocks: Sequence[Sequence[EmbeddingBagConfig]], keys: Sequence[str]
 ) -> Tuple[List[int], Optional[torch.Tensor]]:
     """The width of each output key, and the gather of columns (None if none is
-    needed) that restores the unsharded module's order of ``keys``: the exchange puts
-    each owner's block (its tables in ``per_rank`` order) side by side."""
+    needed) that restores the unsharded module's order of ``keys``: the exchanges put
+    each block of tables (in ``blocks`` order) side by side."""
     names_by_table = dict(zip([t.name for t in configs], get_embedding_names_by_table(configs)))
     dim_by_name = {n: t.embedding_dim for t in configs for n in names_by_table[t.name]}
-    sharded_names = [n for tables in per_rank for t in tables for n in names_by_table[t.name]]
+    sharded_names = [n for tables in blocks for t in tables for n in names_by_table[t.name]]
     starts, col = {}, 0
     for n in sharded_names:
         starts[n], col = col, col + dim_by_name[n]
@@ -105,11 +136,37 @@ def _output_columns(
     return [dim_by_name[n] for n in keys], None if order == list(range(col)) else torch.tensor(order, dtype=torch.int64)
 
 
+def _local_module(
+    module: QuantEmbeddingBagCollection,
+    tables: Sequence[EmbeddingBagConfig],
+    weights: Mapping[str, Tuple[torch.Tensor, Optional[torch.Tensor]]],
+) -> Optional[QuantEmbeddingBagCollection]:
+    """TorchRec's own quantized module (FBGEMM's int-N kernel) of ``tables``, built
+    from ``weights`` (quantized rows, scale/bias) cut from the unsharded module's."""
+    if not tables:
+        return None
+    return QuantEmbeddingBagCollection(
+        tables=list(tables),
+        is_weighted=module.is_weighted(),
+        device=torch.device("cpu"),
+        output_dtype=module.output_dtype(),
+        table_name_to_quantized_weights={t.name: weights[t.name] for t in tables},
+        row_alignment=module.row_alignment,
+    )
+
+
 class PgasQuantEmbeddingBagCollection(nn.Module):
-    """A ``QuantEmbeddingBagCollection`` sharded ``pgas_table_wise``: same input
-    (a KJT of the module's features), same output (a ``KeyedTensor``, keys and
-    columns in the unsharded module's order), the tables spread over the ranks of
-    ``pg`` by ``owners`` (table name -> rank).
+    """A ``QuantEmbeddingBagCollection`` sharded ``pgas_table_wise`` and/or
+    ``pgas_row_wise``: same input (a KJT of the module's features), same output (a
+    ``KeyedTensor``, keys and columns in the unsharded module's order), each table
+    placed by ``owners`` (table name -> rank holding it whole, or ``"pgas_row_wise"``:
+    every rank holds the row block TorchRec's ``row_wise`` gives it).
+
+    Table-wise tables go through a ``TwExchange`` and equal the unsharded module's
+    output bit for bit. Row-wise tables go through an ``RwExchange``: each owner pools
+    its rows with FBGEMM's int-N kernel and the requester adds the partial sums in rank
+    order, so their sums differ from FBGEMM's single pass by rounding (fp32 additions
+    in another order), not exactly equal.
 
     Every rank of ``pg`` must build it from the same module (the same tables and
     weights) with the same ``owners`` and ``options``, and call it for every batch:
@@ -122,7 +179,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
     def __init__(
         self,
         module: QuantEmbeddingBagCollection,
-        owners: Mapping[str, int],
+        owners: Mapping[str, Placement],
         pg: dist.ProcessGroup,
         options: Optional[PgasOptions] = None,
     ) -> None:
@@ -131,45 +188,71 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
         _check_plan(module, configs, owners, world_size)
-        self._name = PGAS_TABLE_WISE
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
-        per_rank = [_lookup_order([t for t in configs if owners[t.name] == r]) for r in range(world_size)]
-        features_per_rank = [
-            [TwFeature(name=f, table=t.name, num_embeddings=t.num_embeddings) for t in tables for f in t.feature_names]
-            for tables in per_rank
-        ]
-        dims = [sum(t.embedding_dim * t.num_features() for t in tables) for tables in per_rank]
-        self._exchange = TwExchange(
-            transport=get_transport(pg, torch.device("cpu"), options),
-            features_per_rank=features_per_rank,
-            dim_sum_per_rank=dims,
-            out_dtype=self._out_dtype,
-            headroom=options.headroom,
-            name=PGAS_TABLE_WISE,
-        )
-        self._input_keys = [f.name for fs in features_per_rank for f in fs]
-        self._needed = list(dict.fromkeys(self._input_keys))
-        self._batch_keys: Optional[List[str]] = None
-        self._permutes: Dict[Tuple[str, ...], List[int]] = {}
-        # The owner's tables, pooled by TorchRec's own quantized module (FBGEMM's
-        # int-N kernel), built from the unsharded module's quantized rows.
-        mine = per_rank[rank]
+        transport = get_transport(pg, torch.device("cpu"), options)
         weights = _table_weights(module)
-        self.local: Optional[QuantEmbeddingBagCollection] = (
-            QuantEmbeddingBagCollection(
-                tables=copy.deepcopy(mine),
-                is_weighted=self._is_weighted,
-                device=torch.device("cpu"),
-                output_dtype=self._out_dtype,
-                table_name_to_quantized_weights={t.name: weights[t.name] for t in mine},
-                row_alignment=module.row_alignment,
+        # (exchange, its input features in order, this rank's pooling module)
+        self._parts: List[Tuple[TwExchange, List[str], str]] = []
+        self.local: Optional[QuantEmbeddingBagCollection] = None
+        self.local_row_wise: Optional[QuantEmbeddingBagCollection] = None
+        blocks: List[List[EmbeddingBagConfig]] = []
+
+        per_rank = [_lookup_order([t for t in configs if owners[t.name] == r]) for r in range(world_size)]
+        if any(per_rank):
+            features_per_rank = [
+                [TwFeature(name=f, table=t.name, num_embeddings=t.num_embeddings) for t in ts for f in t.feature_names]
+                for ts in per_rank
+            ]
+            exchange = TwExchange(
+                transport=transport,
+                features_per_rank=features_per_rank,
+                dim_sum_per_rank=[sum(t.embedding_dim * t.num_features() for t in ts) for ts in per_rank],
+                out_dtype=self._out_dtype,
+                headroom=options.headroom,
+                name=PGAS_TABLE_WISE,
             )
-            if mine
-            else None
-        )
+            self.local = _local_module(module, copy.deepcopy(per_rank[rank]), weights)
+            self._parts.append((exchange, [f.name for fs in features_per_rank for f in fs], "local"))
+            blocks.extend(per_rank)
+
+        row_wise = [t for t in configs if owners[t.name] == PGAS_ROW_WISE]
+        if row_wise:
+            rows = {t.name: _row_blocks(t, world_size) for t in row_wise}
+            features = [TwFeature(f, t.name, t.num_embeddings) for t in row_wise for f in t.feature_names]
+            exchange = RwExchange(
+                transport=transport,
+                features=features,
+                local_rows=[[rows[f.table][r] for f in features] for r in range(world_size)],
+                dims=[t.embedding_dim for t in row_wise for _ in t.feature_names],
+                mean=[t.pooling == PoolingType.MEAN for t in row_wise for _ in t.feature_names],
+                out_dtype=self._out_dtype,
+                headroom=options.headroom,
+                name=PGAS_ROW_WISE,
+            )
+            # This rank's row block of each table, pooled by sum: the exchange divides
+            # the whole sum for mean tables (partial means could not be added).
+            start = {t.name: sum(rows[t.name][:rank]) for t in row_wise}
+            mine = [
+                dataclasses.replace(copy.deepcopy(t), num_embeddings=rows[t.name][rank], pooling=PoolingType.SUM)
+                for t in row_wise
+            ]
+            block_weights = {
+                t.name: tuple(
+                    w[start[t.name] : start[t.name] + t.num_embeddings] if w is not None else None
+                    for w in weights[t.name]
+                )
+                for t in mine
+            }
+            self.local_row_wise = _local_module(module, mine, block_weights)  # type: ignore[arg-type]
+            self._parts.append((exchange, [f.name for f in features], "local_row_wise"))
+            blocks.append(row_wise)
+
+        self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
+        self._batch_keys: Optional[List[str]] = None
+        self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
         self._keys = list(module._embedding_names)
-        self._length_per_key, self._columns = _output_columns(configs, per_rank, self._keys)
+        self._length_per_key, self._columns = _output_columns(configs, blocks, self._keys)
 
     def _problem(self, features: KeyedJaggedTensor) -> Optional[str]:
         problem = module_batch_problem(features, self._batch_keys, self._needed)
@@ -177,32 +260,57 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             problem = "per-sample weights are missing: the module's tables are weighted"
         return problem
 
-    def _send(self, features: KeyedJaggedTensor) -> int:
-        """Sends ``features`` (in the exchange's feature order), or, if it cannot be
-        served, its problem in its place: then every rank raises for this step."""
-        exchange = self._exchange
+    def _send(self, features: KeyedJaggedTensor) -> List[int]:
+        """Sends each exchange its features of ``features``, or, if the batch cannot be
+        served, its problem in their place: then every rank raises for this step."""
         problem = self._problem(features)
         if problem is not None:
-            return send_problem(exchange, features, problem, self._input_keys, lambda kjt: send_ids(exchange, kjt))
+            return [
+                send_problem(exchange, features, problem, keys, lambda kjt, e=exchange: send_ids(e, kjt))
+                for exchange, keys, _ in self._parts
+            ]
         keys = features.keys()
         if self._batch_keys is None:
             self._batch_keys = list(keys)
-        if keys != self._input_keys:
-            perm = self._permutes.setdefault(tuple(keys), [keys.index(f) for f in self._input_keys])
-            features = with_float32_weights(features).permute(perm)
-        return send_ids(exchange, features)
+        features = with_float32_weights(features)
+        steps = []
+        for i, (exchange, wanted, _) in enumerate(self._parts):
+            part = features
+            if keys != wanted:
+                perm = self._permutes.setdefault((i, tuple(keys)), [keys.index(f) for f in wanted])
+                part = features.permute(perm)
+            steps.append(send_ids(exchange, part))
+        return steps
 
     @torch.no_grad()
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools ``features``: the unsharded module's output, from this rank's batch."""
-        exchange = self._exchange
-        batch = exchange.recv_ids(self._send(features))
-        assert isinstance(batch, HostBatch)
-        if self.local is not None:
-            embs = self.local(batch.kjt).values()
-        else:
-            embs = torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
-        out = exchange.exchange_pooled(embs, batch.route)
+        steps = self._send(features)
+        # Every exchange takes its step, even after another's raised, so that all
+        # stay in step for the next batch.
+        batches: List[HostBatch] = []
+        error: Optional[Exception] = None
+        for (exchange, _, _), step in zip(self._parts, steps):
+            try:
+                batch = exchange.recv_ids(step)
+                assert isinstance(batch, HostBatch)
+                batches.append(batch)
+            except Exception as e:  # noqa: BLE001 - raised below, once every exchange has its step
+                error = error or e
+        if error is not None:
+            raise error
+        outs = []
+        for (exchange, _, local_name), batch in zip(self._parts, batches):
+            local: Optional[QuantEmbeddingBagCollection] = getattr(self, local_name)
+            if local is not None:
+                embs = local(batch.kjt).values()
+            else:
+                embs = torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
+            out = exchange.exchange_pooled(embs, batch.route)
+            # Row-wise mean tables: the whole sum divided by the bag's size, as TorchRec's
+            # row_wise divides after the sum (``MeanAfterSum``'s divisor).
+            outs.append(out / batch.route.divisor if batch.route.divisor is not None else out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self._columns is not None:
             out = out.index_select(1, self._columns)
         return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
@@ -211,7 +319,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
 class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
     """TorchRec's sharder of ``QuantEmbeddingBagCollection`` (same shardable
     parameters and kernels, so TorchRec's plans and planner apply), offering
-    ``pgas_table_wise``: ``shard`` places each table on the one rank its plan names."""
+    ``pgas_table_wise`` to TorchRec's planner. ``shard`` also takes plans naming
+    ``pgas_row_wise`` for some tables (a row block on every rank)."""
 
     def __init__(self, options: Optional[PgasOptions] = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -237,12 +346,16 @@ class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder)
         return QuantEmbeddingBagCollection
 
 
-def _plan_owners(params: Mapping[str, ParameterSharding]) -> Dict[str, int]:
-    """table name -> rank from one module's plan, which must be all ``pgas_table_wise``."""
-    wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type != PGAS_TABLE_WISE}
+def _plan_owners(params: Mapping[str, ParameterSharding]) -> Dict[str, Placement]:
+    """table name -> placement from one module's plan: the rank of a
+    ``pgas_table_wise`` table, ``PGAS_ROW_WISE`` for a ``pgas_row_wise`` one."""
+    served = (PGAS_TABLE_WISE, PGAS_ROW_WISE)
+    wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type not in served}
     if wrong:
-        raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {PGAS_TABLE_WISE} tables, not {wrong}")
-    return {t: int((p.ranks or [0])[0]) for t, p in params.items()}
+        raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {list(served)} tables, not {wrong}")
+    return {
+        t: PGAS_ROW_WISE if p.sharding_type == PGAS_ROW_WISE else int((p.ranks or [0])[0]) for t, p in params.items()
+    }
 
 
 def _quant_modules(model: nn.Module) -> List[Tuple[str, QuantEmbeddingBagCollection]]:
@@ -323,7 +436,7 @@ def plan_quant_model(
 def shard_quant_model(
     model: nn.Module,
     pg: dist.ProcessGroup,
-    owners: Optional[Mapping[str, int]] = None,
+    owners: Optional[Mapping[str, Placement]] = None,
     options: Optional[PgasOptions] = None,
     *,
     plan: Optional[ShardingPlan] = None,
@@ -333,8 +446,9 @@ def shard_quant_model(
     """Replaces, in place, every ``QuantEmbeddingBagCollection`` of ``model`` (the
     output of TorchRec's ``quantize_embeddings``) by its ``pgas_table_wise`` sharding
     over ``pg``; returns ``model``, whose forward is unchanged. The placement, one of:
-    ``owners`` (table name -> rank, for the tables of every such module); ``plan`` (a
-    TorchRec ``ShardingPlan`` keyed by module path, all ``pgas_table_wise``);
+    ``owners`` (table name -> rank, or ``"pgas_row_wise"`` for a row block on every
+    rank, for the tables of every such module); ``plan`` (a TorchRec ``ShardingPlan``
+    keyed by module path, ``pgas_table_wise`` and/or ``pgas_row_wise``);
     ``constraints`` and/or ``topology`` (planned by ``plan_quant_model``); none
     (``balanced_owners`` per module). Collective: every rank of ``pg`` calls it with
     the same model and placement."""
