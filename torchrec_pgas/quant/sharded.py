@@ -34,8 +34,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
-from torchrec_pgas.sharding.dists import send_ids
-from torchrec_pgas.sharding.exchange import HostBatch
+from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
+from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
 from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import TwExchange
@@ -248,6 +248,12 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             self._parts.append((exchange, [f.name for f in features], "local_row_wise"))
             blocks.append(row_wise)
 
+        # The float path's output dist: puts the pooled rows, and divides the summed
+        # rows of row-wise mean tables (``MeanAfterSum``'s divisor) once they are summed.
+        self._output_dists = [
+            PgasPooledEmbeddingDist(exchange, PGAS_ROW_WISE if isinstance(exchange, RwExchange) else PGAS_TABLE_WISE)
+            for exchange, _, _ in self._parts
+        ]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
         self._batch_keys: Optional[List[str]] = None
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
@@ -300,16 +306,13 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         if error is not None:
             raise error
         outs = []
-        for (exchange, _, local_name), batch in zip(self._parts, batches):
+        for (_, _, local_name), output_dist, batch in zip(self._parts, self._output_dists, batches):
             local: Optional[QuantEmbeddingBagCollection] = getattr(self, local_name)
             if local is not None:
                 embs = local(batch.kjt).values()
             else:
                 embs = torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
-            out = exchange.exchange_pooled(embs, batch.route)
-            # Row-wise mean tables: the whole sum divided by the bag's size, as TorchRec's
-            # row_wise divides after the sum (``MeanAfterSum``'s divisor).
-            outs.append(out / batch.route.divisor if batch.route.divisor is not None else out)
+            outs.append(output_dist.pooled(PooledLookup(embs, batch.route)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self._columns is not None:
             out = out.index_select(1, self._columns)
