@@ -82,6 +82,11 @@ class PgasShardingMixin:
         self._exchange: Optional[Exchange] = None
         self._setup_error: Optional[BaseException] = None
 
+    @property
+    def exchange(self) -> Optional[Exchange]:
+        """The sharding's exchange, once made (at the first lookup's creation)."""
+        return self._exchange
+
     def _make_exchange(self, device: torch.device) -> Exchange:
         raise NotImplementedError
 

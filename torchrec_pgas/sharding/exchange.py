@@ -110,3 +110,19 @@ class Exchange(Protocol):
 
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
         """Makes the next send report ``status`` for its batch."""
+
+    def step_counters(self) -> Tuple[int, ...]:
+        """The host's counts of the steps it has enqueued (sends, receives, outputs,
+        backwards), opaque: ``advance`` takes differences of them. A CUDA graph
+        captures the host's enqueueing once, so whoever replays it says so."""
+
+    def advance(self, delta: Sequence[int]) -> None:
+        """Adds ``delta`` (a difference of ``step_counters``) to the counters: minus the
+        captured steps after a capture (captured work does not run), plus them after
+        each replay. The device keeps its own count, which the kernels read."""
+
+    def raise_errors(self, wait: bool = False) -> None:
+        """Raises what the steps that have finished on the device reported (bad
+        batches on any rank, timeouts), oldest first, the same on every rank; with
+        ``wait``, waits for every enqueued step first. Exchanges that check every
+        step on the host before returning its output have nothing to raise here."""

@@ -194,6 +194,19 @@ class BaseTwExchange:
         self._failure = f"{type(error).__name__}: {error}"
         self._failure_cause = error
 
+    def step_counters(self) -> Tuple[int, ...]:
+        """See ``Exchange.step_counters``: the host exchanges run no CUDA graphs."""
+        return ()
+
+    def advance(self, delta: Sequence[int]) -> None:
+        """See ``Exchange.advance``."""
+        if any(delta):
+            raise PgasError(f"{self._name}: only the GPU exchanges' steps can be captured and replayed")
+
+    def raise_errors(self, wait: bool = False) -> None:
+        """See ``Exchange.raise_errors``: every step of the host exchanges is checked
+        before its output is returned."""
+
     def _allocate_once(self, *args: Any) -> None:
         """``_allocate(*args)``, remembering its error: a set-up that failed leaves no
         buffers, and every later call raises the original error rather than tripping
