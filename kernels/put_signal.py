@@ -9,8 +9,10 @@ arrived when the signal reaches ``arrived(step)``: no sizes are exchanged, and o
 slow block cannot be mistaken for a finished step.
 
 Before writing, each program waits until the destination has released the slot this
-step reuses (flow control). With ``NCHUNK=0`` the kernel is a pure release: one program
-per peer sets the peer's signal for this rank to ``step``.
+step reuses (flow control): its signal must have reached ``step - wait_depth``. With
+``NCHUNK=0`` the kernel is a pure release: one program per peer sets the peer's signal
+for this rank to ``step``. The step is read from device memory (``step_clock``), so
+that a replayed CUDA graph puts the step it replays.
 
 Buffers:
     peers:   int32 [P]             destination rank of program row p
@@ -20,6 +22,7 @@ Buffers:
     free:    int64 [world]         this rank's free signals: free[q] is the last step
                                    rank q released
     err:     int64 [4]             error record (see ``signals.py``)
+    step:    int64 [1]             the step is ``step[0] + step_add`` (``StepRef``)
 """
 
 import torch
@@ -29,6 +32,7 @@ import triton.language as tl
 from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher
 from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, wait_ge
+from torchrec_pgas.kernels.step_clock import StepRef, read_step
 
 PROGRAMS_PER_PEER = 32
 #: Shares start at multiples of this many bytes, so the block copies stay vectorized.
@@ -37,7 +41,7 @@ NUM_WARPS = 4
 
 
 @nv.uses_nvshmem
-@triton.jit(do_not_specialize=["me", "step", "free_target", "timeout_ns"])
+@triton.jit(do_not_specialize=["me", "step_add", "wait_depth", "timeout_ns"])
 def put_signal_kernel(
     peers_ptr,
     chunks_ptr,
@@ -45,9 +49,10 @@ def put_signal_kernel(
     ready_base,
     free_ptr,
     err_ptr,
+    step_ptr,
     me: tl.int64,
-    step: tl.int64,
-    free_target: tl.int64,
+    step_add: tl.int64,
+    wait_depth: tl.int64,
     timeout_ns: tl.int64,
     NCHUNK: tl.constexpr,
     PROGRAMS: tl.constexpr,
@@ -57,8 +62,10 @@ def put_signal_kernel(
     j = tl.program_id(1)
     peer = tl.load(peers_ptr + p)
     sig = ready_base + me * 8
+    step = read_step(step_ptr, step_add)
+    free_target = step - wait_depth
     ok = True
-    if free_target > 0:
+    if (wait_depth > 0) & (free_target > 0):
         ok = wait_ge(free_ptr + peer, free_target, timeout_ns, err_ptr, peer, WAIT_SLOT_FREE)
     if ok:
         if NCHUNK == 0:
@@ -99,12 +106,12 @@ def put_signal(
     free: torch.Tensor,
     err: torch.Tensor,
     me: int,
-    step: int,
-    free_target: int,
+    step: StepRef,
+    wait_depth: int,
     timeout_ns: int,
 ) -> None:
     """Launches ``(P, PROGRAMS_PER_PEER)`` programs, or ``(P, 1)`` for a pure release
-    (see the module docstring)."""
+    (see the module docstring); ``wait_depth`` 0: no wait for a free slot."""
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
     grid = (peers.numel(), PROGRAMS_PER_PEER if nchunk else 1)
     _launcher[grid](
@@ -114,9 +121,10 @@ def put_signal(
         ready.data_ptr(),
         free,
         err,
+        step.word,
         me,
-        step,
-        free_target,
+        step.add,
+        wait_depth,
         timeout_ns,
         NCHUNK=nchunk,
         PROGRAMS=PROGRAMS_PER_PEER,

@@ -179,6 +179,7 @@ def _device_put_gbps(transport, nbytes: int) -> float:
     from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER, arrived, put_signal
     from torchrec_pgas.kernels.signal_wait import signal_wait
     from torchrec_pgas.kernels.signals import WAIT_DATA
+    from torchrec_pgas.kernels.step_clock import fixed
 
     device, me, world = transport.device, transport.rank, transport.world_size
     src = torch.ones(int(link_chunks(nbytes, 0, PROGRAMS_PER_PEER)[:, 0, 2].sum()), dtype=torch.uint8, device=device)
@@ -193,8 +194,11 @@ def _device_put_gbps(transport, nbytes: int) -> float:
     def put_and_wait() -> None:
         nonlocal step
         step += 1
-        put_signal(peers, chunks, dst, ready, no_wait, transport.err, me, step, 0, transport.timeout_ns)
-        signal_wait(ready, sender, _LINK_ROWS * arrived(step), transport.err, WAIT_DATA.value, transport.timeout_ns)
+        dev = transport.device
+        put_signal(peers, chunks, dst, ready, no_wait, transport.err, me, fixed(step, dev), 0, transport.timeout_ns)
+        signal_wait(
+            ready, sender, fixed(_LINK_ROWS * arrived(step), dev), transport.err, WAIT_DATA.value, transport.timeout_ns
+        )
 
     # A first round compiles the kernels, each rank in its own time: the ranks start
     # the timed rounds together, else the first would wait for a peer's compiler.

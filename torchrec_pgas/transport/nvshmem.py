@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_pgas.kernels.signals import WAIT_DATA, WAIT_OUT_FREE, WAIT_SLOT_FREE
+from torchrec_pgas.kernels.step_clock import fixed
 from torchrec_pgas.transport.base import (
     PgasTimeoutError,
     PgasTransportUnavailableError,
@@ -217,7 +218,7 @@ class NvshmemTransport(Transport):
             self._scratch_signals,
             self.err,
             self.rank,
-            0,
+            fixed(0, self.device),
             0,
             self.timeout_ns,
         )
@@ -245,7 +246,7 @@ class NvshmemTransport(Transport):
             self._scratch_signals,
             self.err,
             index,
-            value,
+            fixed(value, self.device),
             0,
             self.timeout_ns,
         )
@@ -254,7 +255,7 @@ class NvshmemTransport(Transport):
         from torchrec_pgas.kernels.signal_wait import signal_wait
 
         peers = torch.tensor([index], dtype=torch.int32).to(self.device, non_blocking=True)
-        signal_wait(sig.handle, peers, value, self.err, WAIT_DATA.value, self.timeout_ns)
+        signal_wait(sig.handle, peers, fixed(value, self.device), self.err, WAIT_DATA.value, self.timeout_ns)
 
     def check(self, context: Optional[str] = None) -> None:
         """Raises ``PgasTimeoutError`` if a device-side wait timed out (syncs the stream)."""

@@ -122,6 +122,7 @@ def _probe(t: "NvshmemTransport", sig: torch.Tensor, to: Sequence[int], senders:
     (a short while) for ``senders`` to set theirs here; returns what failed."""
     from torchrec_pgas.kernels.put_signal import put_signal
     from torchrec_pgas.kernels.signal_wait import signal_wait
+    from torchrec_pgas.kernels.step_clock import fixed
 
     who = (
         f"no peer (NVLink/P2P) access to ranks {list(to)}"
@@ -136,10 +137,10 @@ def _probe(t: "NvshmemTransport", sig: torch.Tensor, to: Sequence[int], senders:
             peers = torch.tensor(list(to), dtype=torch.int32, device=dev)
             no_chunks = torch.empty(len(to), 0, 3, dtype=torch.int64, device=dev)
             put_signal(peers, no_chunks, t._scratch_bytes, sig, t._scratch_signals, t.err,
-                       me=t.rank, step=1, free_target=0, timeout_ns=t.timeout_ns)  # fmt: skip
+                       me=t.rank, step=fixed(1, dev), wait_depth=0, timeout_ns=t.timeout_ns)  # fmt: skip
         timeout_ns = int(min(t._timeout_s, PROBE_TIMEOUT_S) * 1e9)
         waited = torch.tensor(list(senders), dtype=torch.int32, device=dev)
-        signal_wait(sig, waited, 1, t.err, WAIT_DATA.value, timeout_ns)
+        signal_wait(sig, waited, fixed(1, dev), t.err, WAIT_DATA.value, timeout_ns)
         torch.cuda.synchronize(dev)
         arrived = sig.tolist()
         t.err.zero_()
