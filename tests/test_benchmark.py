@@ -2,6 +2,7 @@
 two CPU processes that writes its JSON, markdown and plot. Speed itself is shown by
 running the suite, never by a test."""
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -10,9 +11,11 @@ import os
 
 import pytest
 import torch
-from dist_utils import torchrun_ok
-from torchrec import EmbeddingBagCollection
+from dist_utils import run_ranks, torchrun, torchrun_ok
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
+import torchrec_pgas.benchmark.__main__ as bench
+from torchrec_pgas.benchmark import report
 from torchrec_pgas.benchmark.config import (
     CRITEO_ROWS,
     ROW_WISE_ABOVE,
@@ -243,3 +246,156 @@ def test_dlrm_batch_sweep_runs_on_two_cpu_processes_and_compares_outputs(tmp_pat
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise+pgas_row_wise vs table_wise") == 2 and "DLRM-shaped 26 tables" in table
     assert os.path.getsize(os.path.join(out, "speedup.png")) > 0
+
+
+def test_cuda_graph_option_parses_with_the_batch_sweep_and_refuses_cpus_on_every_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sweep = "512,1024,2048,4096,8192,16384,32768,65536"
+    args = bench._parse(["--cuda-graph", "--suite", "r1,dlrm", "--batch-sizes", sweep])
+    assert args.cuda_graph and args.batch_sizes == [512 << k for k in range(8)]
+    assert not bench._parse([]).cuda_graph
+    configs = batch_sweep(scenarios(Config(), 1)["r1"] + scenarios(Config(), 1)["dlrm"], args.batch_sizes)
+    assert [c.batch_size for c in configs] == args.batch_sizes * 2
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without GPUs")
+    done = torchrun("-m", "torchrec_pgas.benchmark", "--cuda-graph", *TINY_RUN, "--out", "unused")
+    assert done.returncode != 0
+    # Before any process group: each rank says why and stops, none waits for another.
+    assert done.stderr.count("--cuda-graph needs GPUs (it captures CUDA graphs), and torch sees no CUDA device") == 2
+
+
+def _fake_rounds():
+    """Three rounds of (TorchRec, ours) times; ours with graphed times."""
+    base = [{"forward_ms": f, "dlrm_ms": 4.0, "train_ms": 6.0} for f in (3.0, 2.0, 4.0)]
+    ours = [
+        {
+            "forward_ms": 1.0,
+            "dlrm_ms": 2.0,
+            "train_ms": 3.0,
+            "forward_graphed_ms": g,
+            "dlrm_graphed_ms": 1.0,
+            "train_graphed_ms": 2.5,
+        }
+        for g in (0.5, 0.4, 0.5)
+    ]
+    return list(zip(base, ours))
+
+
+def _fake_row(short: str, pair, rounds, graphed_diff=None):
+    row = {
+        "scenario": "r1",
+        "label": f"1 ranks, 8 x 1000000 x 128, {short}/rank",
+        "short": short,
+        "config": {},
+        "pair": list(pair),
+        **report.summarize(rounds),
+        "identical": True,
+        "max_diff": 0.0,
+        "floor_ms": 0.1,
+    }
+    if graphed_diff is not None:
+        row["baseline_graphed"] = bench.TORCHREC_NOT_GRAPHED
+        row["graphed_max_diff"] = graphed_diff
+    return row
+
+
+def test_graphed_times_are_reported_next_to_eager_and_torchrecs(tmp_path, monkeypatch, capsys):
+    rounds = _fake_rounds()
+    summary = report.summarize(rounds)
+    assert summary["baseline"] == {"forward_ms": 3.0, "dlrm_ms": 4.0, "train_ms": 6.0}
+    assert summary["ours"]["forward_graphed_ms"] == 0.5 and summary["ours"]["train_graphed_ms"] == 2.5
+    # Every ratio divides TorchRec's eager time of the same round.
+    assert summary["speedup_per_round"]["forward_graphed_ms"] == [6.0, 5.0, 8.0]
+    assert summary["speedup_per_round"]["forward_ms"] == [3.0, 2.0, 4.0]
+    assert summary["speedup_per_round"]["train_graphed_ms"] == [6.0 / 2.5] * 3
+    eager_only = [(b, {k: v for k, v in o.items() if "graphed" not in k}) for b, o in rounds]
+    rows = [
+        _fake_row("512", ("table_wise", "pgas_table_wise"), rounds, graphed_diff=0.0),
+        _fake_row("65536", ("table_wise", "pgas_table_wise"), rounds[:1], graphed_diff=1e-6),
+        _fake_row("512", ("row_wise", "pgas_row_wise"), eager_only),  # no graphed times: eager table only
+    ]
+    out = str(tmp_path / "graphed")
+    drawn = {}
+    import matplotlib.figure
+
+    def savefig(fig, path, **kwargs):
+        drawn.update({line.get_label(): list(line.get_ydata()) for ax in fig.axes for line in ax.get_lines()})
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    report.write(rows, {"hardware": "1 x H200", "iters": 50, "rounds": 3, "command": "c"}, out)
+    printed = capsys.readouterr().out
+    table = open(os.path.join(out, "results.md")).read()
+    assert table in printed  # the ratios are printed as well as written
+    eager, graphed = table.split("CUDA graphs (`--cuda-graph`)")
+    assert eager.count("pgas_table_wise vs table_wise") == 2 and "pgas_row_wise vs row_wise" in eager
+    assert "3.000 / 1.000 (**3.00x**, rounds 2.00-4.00x)" in eager
+    # TorchRec eager / ours eager / ours graphed, TorchRec eager over ours graphed and the graph's own gain.
+    assert "3.000 / 1.000 / 0.500 (**6.00x**, rounds 5.00-8.00x, graphs 2.00x)" in graphed
+    assert "6.000 / 3.000 / 2.500 (**2.40x**, rounds 2.40-2.40x, graphs 1.20x)" in graphed
+    assert "4.000 / 2.000 / 1.000 (**4.00x**" in graphed
+    assert "3.000 / 1.000 / 0.500 (**6.00x**, graphs 2.00x)" in graphed  # one round: no spread
+    assert f"table_wise: {bench.TORCHREC_NOT_GRAPHED}" in graphed and "SplitsAllToAllAwaitable" in graphed
+    assert "| identical to eager |" in graphed and "| max diff 1.0e-06 from eager |" in graphed
+    assert "pgas_row_wise" not in graphed
+    with open(os.path.join(out, "results.json")) as f:
+        saved = json.load(f)["rows"]
+    assert saved[0]["ours"]["dlrm_graphed_ms"] == 1.0 and "forward_graphed_ms" not in saved[0]["baseline"]
+    assert saved[0]["baseline_graphed"].startswith("n/a: ") and "baseline_graphed" not in saved[2]
+    # The plot: a graphed line next to each eager one, against the same eager TorchRec time.
+    assert drawn["embedding forward graphed, pgas_table_wise"] == [6.0, 6.0]
+    assert drawn["embedding forward, pgas_table_wise"] == [3.0, 3.0]
+    assert drawn["training step graphed, pgas_table_wise"] == [2.4, 2.4]
+    assert drawn["DLRM inference, pgas_row_wise"] == [2.0] and "DLRM inference graphed, pgas_row_wise" not in drawn
+    assert not any("graphed" in line for line in report.markdown(rows[2:], "h").splitlines())
+
+
+def _graphed_pair(rank: int, world_size: int, out: str) -> None:
+    """``_run`` with ``--cuda-graph`` on CPU ranks, a stand-in for
+    ``torchrec_pgas.graphs.capture`` running each captured step eagerly, as the real
+    one replays it: inputs of the example's sizes in, outputs of the step out."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    captured, checked = [], []
+
+    def capture(fn, *example, warmup=3, model=None):
+        assert isinstance(model, torch.nn.Module), "a function's model is named (graphs.capture)"
+        captured.append(fn)
+        sizes = lambda args: [a.values().shape if isinstance(a, KeyedJaggedTensor) else a.shape for a in args]  # noqa: E731
+
+        def replay(*args):
+            assert sizes(args) == sizes(example), "a graph's inputs keep their sizes"
+            return fn(*args)
+
+        return replay
+
+    def raise_errors(model, wait=False):
+        checked.append(wait)
+
+    sys.modules["torchrec_pgas.graphs"] = types.SimpleNamespace(capture=capture, raise_errors=raise_errors)
+    cfg = Config(tables=3, rows=50, dim=8, batch_size=6, ids_per_bag=3, ranks=world_size)
+    args = argparse.Namespace(iters=2, warmup=1, rounds=2, cuda_graph=True, batch_sizes=None)
+    rows = bench._run("r1", cfg, dist.group.WORLD, torch.device("cpu"), {}, args)
+    assert len(captured) == 2 * 3, "ours only, each round: forward, training step, DLRM inference"
+    assert checked == [True] * 6, "each graph's replays end with a wait for their errors"
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+def test_cuda_graph_run_times_ours_graphed_and_compares_replays_with_eager(tmp_path):
+    out = str(tmp_path / "rows.json")
+    run_ranks(_graphed_pair, 2, out=out)
+    with open(out) as f:
+        (row,) = json.load(f)
+    assert row["pair"] == ["table_wise", "pgas_table_wise"] and row["identical"]
+    assert set(row["baseline"]) == {"forward_ms", "train_ms", "dlrm_ms"}
+    assert set(row["ours"]) == {f"{m}{g}_ms" for m in ("forward", "train", "dlrm") for g in ("", "_graphed")}
+    assert all(v > 0 for v in row["ours"].values())
+    assert all(len(row["speedup_per_round"][k]) == 2 for k in row["ours"])
+    assert row["baseline_graphed"] == bench.TORCHREC_NOT_GRAPHED
+    # The replay's outputs against the eager step's, on the same batch and weights.
+    assert row["graphed_max_diff"] == 0.0

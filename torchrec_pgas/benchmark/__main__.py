@@ -23,14 +23,21 @@ each batch size (the plot then has the speed-up against samples per rank):
 
     torchrun --standalone --nproc_per_node=2 -m torchrec_pgas.benchmark --suite r1,dlrm \\
         --batch-sizes 512,1024,2048,4096,8192,16384,32768,65536 --out bench_sweep
+
+``--cuda-graph`` (GPUs only) also times our side's forward, DLRM inference and
+training step captured in a CUDA graph (``torchrec_pgas.graphs.capture``) and
+replayed, each replay with its batch copied into the graph's inputs, timed as the
+eager steps are; the report puts them next to our eager times and TorchRec's, with
+TorchRec's eager time over ours graphed, and the largest difference of a replay's
+outputs from the eager step's on the same batch and weights. TorchRec's sharding is
+eager only (``TORCHREC_NOT_GRAPHED`` says why).
 """
 
 import argparse
 import gc
-import statistics
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +64,14 @@ MIXED_PAIR = ("table_wise+row_wise", "pgas_table_wise+pgas_row_wise")
 MIXED_FALLBACK = ("table_wise", "pgas_table_wise+pgas_row_wise")
 
 
-def _parse() -> argparse.Namespace:
+#: Why TorchRec's side has no graphed times (``--cuda-graph``).
+TORCHREC_NOT_GRAPHED = (
+    "n/a: its input dist reads the all-to-all's split sizes back to the host "
+    "(SplitsAllToAllAwaitable), which a CUDA graph cannot capture"
+)
+
+
+def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_config_args(p)
     p.add_argument("--suite", default="r1", help="comma-separated scenarios, or 'all'")
@@ -70,8 +84,17 @@ def _parse() -> argparse.Namespace:
         help="measure TorchRec's sharding and ours this many times each, alternating; "
         "report the median of the rounds' medians and the rounds' speed-ups",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="GPUs only: also time our forward, DLRM inference and training step captured in a CUDA graph "
+        "and replayed, next to the eager times (TorchRec's sharding cannot be captured)",
+    )
     p.add_argument("--out", default="benchmark_results")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    if args.cuda_graph and not torch.cuda.is_available():
+        p.error("--cuda-graph needs GPUs (it captures CUDA graphs), and torch sees no CUDA device here")
+    return args
 
 
 def _pairs(cfg: Config, device: torch.device) -> List[Tuple[str, str]]:
@@ -82,35 +105,85 @@ def _pairs(cfg: Config, device: torch.device) -> List[Tuple[str, str]]:
     return [pair for pair in PAIRS if set(pair) <= offered]
 
 
-def _measure(cfg: Config, sharding: str, device: torch.device, pg, args) -> Tuple[Dict[str, float], torch.Tensor]:
-    """Times of ``sharding`` on ``cfg``, and its first embedding output ([batch,
-    tables, dim], in table order)."""
+class Measured(NamedTuple):
+    """One side's measurements on one configuration."""
+
+    #: Median ms per measurement (``report.METRICS``; with ``--cuda-graph``, ours
+    #: also under ``report.graphed`` keys).
+    times: Dict[str, float]
+    #: The first embedding output, [batch, tables, dim] in table order.
+    first: torch.Tensor
+    #: The largest difference, over the ranks, of a graphed output from the eager one
+    #: on the same batch and weights (0 where nothing was graphed).
+    graphed_diff: float
+
+
+def _measure(cfg: Config, sharding: str, device: torch.device, pg, args, graphed: bool = False) -> Measured:
+    """Times of ``sharding`` on ``cfg``: eager, and with ``graphed`` captured in CUDA
+    graphs too. Each model takes its eager steps before any capture: a captured
+    model takes no more eager steps."""
     rank = dist.get_rank(pg)
     kjts = workload.batches(cfg, device, 4, rank)
     dense = workload.dense_features(cfg, device, 4, rank)
     grads = [torch.randn(cfg.batch_size, len(kjts[0].keys()) * cfg.dim, device=device) for _ in kjts]
-    first, result = _time_ebc(workload.build(cfg, sharding, device, pg), kjts, grads, device, pg, args)
-    result["dlrm_ms"] = _time_dlrm(workload.build(cfg, sharding, device, pg, dlrm=True), dense, kjts, device, pg, args)
-    gc.collect()  # the models' buffers go back before the next configuration
-    return result, first
-
-
-def _time_ebc(model, kjts, grads, device, pg, args) -> Tuple[torch.Tensor, Dict[str, float]]:
+    model = workload.build(cfg, sharding, device, pg)
     with torch.no_grad():
         first = workload.pooled_by_table(model, kjts[0])
-    forward, train_step = workload.steps(model, kjts, grads)
-    return first, {
-        "forward_ms": timing.median_ms(forward, args.iters, args.warmup, device, pg),
-        "train_ms": timing.median_ms(train_step, args.iters, args.warmup, device, pg),
+    forward, train_step = workload.step_fns(model)
+    batches, trains = [(kjt,) for kjt in kjts], list(zip(kjts, grads))
+    times = {
+        "forward_ms": _median(forward, batches, device, pg, args),
+        "train_ms": _median(train_step, trains, device, pg, args),
     }
+    diffs = [0.0]
+    if graphed:
+        times[report.graphed("forward_ms")], diff = _graphed(forward, batches, model, device, pg, args, compare=True)
+        times[report.graphed("train_ms")], _ = _graphed(train_step, trains, model, device, pg, args, compare=False)
+        diffs.append(diff)
+    del model, forward, train_step
+    gc.collect()  # the EBC's model (and its graphs) go before the DLRM's is built
+    model = workload.build(cfg, sharding, device, pg, dlrm=True)
+    infer, inputs = workload.dlrm_inference(model), list(zip(dense, kjts))
+    times["dlrm_ms"] = _median(infer, inputs, device, pg, args)
+    if graphed:
+        times[report.graphed("dlrm_ms")], diff = _graphed(infer, inputs, model, device, pg, args, compare=True)
+        diffs.append(diff)
+    del model, infer
+    gc.collect()  # the models' buffers go back before the next configuration
+    return Measured(times, first, max(diffs))
 
 
-def _time_dlrm(model, dense, kjts, device, pg, args) -> float:
-    def infer(i: int) -> None:
-        with torch.no_grad():
-            model(dense[i % len(dense)], kjts[i % len(kjts)])
+def _median(step: Callable[..., torch.Tensor], inputs: List[Tuple[Any, ...]], device: torch.device, pg, args) -> float:
+    """The median ms of ``step`` on ``inputs`` (cycling), slowest rank (``timing.median_ms``)."""
+    return timing.median_ms(workload.cycle(step, inputs), args.iters, args.warmup, device, pg)
 
-    return timing.median_ms(infer, args.iters, args.warmup, device, pg)
+
+def _graphed(
+    step: Callable[..., torch.Tensor],
+    inputs: List[Tuple[Any, ...]],
+    model: torch.nn.Module,
+    device: torch.device,
+    pg,
+    args,
+    compare: bool,
+) -> Tuple[float, float]:
+    """``step`` of ``model`` captured in a CUDA graph (on ``inputs[0]``), then timed as
+    the eager steps are, each replay with its inputs copied in; and with ``compare``
+    (for steps that leave the weights alone) the largest difference over the ranks of
+    the replay's output on ``inputs[1]`` from the eager step's, else 0. A replay's bad
+    batch is raised after it (``graphs.raise_errors``): the replays end with a wait for
+    the last ones."""
+    from torchrec_pgas.graphs import capture, raise_errors  # GPUs only: CPU runs never import it
+
+    reference = step(*inputs[1]).clone() if compare else None
+    captured = capture(step, *inputs[0], model=model)
+    diff = torch.zeros((), device=device)
+    if reference is not None:
+        diff = (captured(*inputs[1]) - reference).abs().max()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=pg)
+    ms = _median(captured, inputs, device, pg, args)
+    raise_errors(model, wait=True)
+    return ms, float(diff)
 
 
 def _run(
@@ -128,8 +201,12 @@ def _run(
     rows = []
     for pair in _pairs(cfg, device):
         begin = time.perf_counter()  # models built and timed: what a run of the pair costs
-        rounds = [[_measure(cfg, s, device, pg, args) for s in pair] for _ in range(args.rounds)]
-        (_, base_out), (_, ours_out) = rounds[-1]
+        # Ours only is graphed: TorchRec's sharding cannot be captured (TORCHREC_NOT_GRAPHED).
+        rounds = [
+            [_measure(cfg, s, device, pg, args, graphed=args.cuda_graph and s == pair[1]) for s in pair]
+            for _ in range(args.rounds)
+        ]
+        base_out, ours_out = (m.first for m in rounds[-1])
         # Per placement: where both sides place a table the same way, outputs must be
         # bit for bit identical; TorchRec's table-wise against our row-wise (CPUs) sums
         # partial sums in another order.
@@ -138,28 +215,27 @@ def _run(
         diffs = torch.stack([error.max(), error.where(~row_wise, 0).max(), error.where(row_wise, 0).max()])
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=pg)
         diff = diffs[0]
-        base, ours = ({key: statistics.median(r[i][0][key] for r in rounds) for key in rounds[0][i][0]} for i in (0, 1))
-        rows.append(
-            {
-                "scenario": name,
-                "label": cfg.label(),
-                "short": _short(name, cfg, bool(args.batch_sizes)),
-                "config": vars(cfg),
-                "pair": pair,
-                "baseline": base,
-                "ours": ours,
-                "identical": bool(diff == 0),
-                "max_diff": float(diff),
-                "max_diff_by_placement": {"table_wise": float(diffs[1]), "row_wise": float(diffs[2])},
-                "floor_ms": parts.floor_ms,
-                "memory_ms": parts.memory_ms,
-                "link_ms": parts.link_ms,
-                "copy_gbps": copy,
-                "link_gbps": link,
-                "wall_s": time.perf_counter() - begin,
-                "speedup_per_round": {key: [r[0][0][key] / r[1][0][key] for r in rounds] for key in rounds[0][0][0]},
-            }
-        )
+        row = {
+            "scenario": name,
+            "label": cfg.label(),
+            "short": _short(name, cfg, bool(args.batch_sizes)),
+            "config": vars(cfg),
+            "pair": pair,
+            **report.summarize([(base.times, ours.times) for base, ours in rounds]),
+            "identical": bool(diff == 0),
+            "max_diff": float(diff),
+            "max_diff_by_placement": {"table_wise": float(diffs[1]), "row_wise": float(diffs[2])},
+            "floor_ms": parts.floor_ms,
+            "memory_ms": parts.memory_ms,
+            "link_ms": parts.link_ms,
+            "copy_gbps": copy,
+            "link_gbps": link,
+            "wall_s": time.perf_counter() - begin,
+        }
+        if args.cuda_graph:
+            row["baseline_graphed"] = TORCHREC_NOT_GRAPHED
+            row["graphed_max_diff"] = max(ours.graphed_diff for _, ours in rounds)
+        rows.append(row)
     return rows
 
 

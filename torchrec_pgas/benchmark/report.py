@@ -2,10 +2,34 @@
 
 import json
 import os
-from typing import Any, Dict, List
+import statistics
+from typing import Any, Dict, List, Sequence, Tuple
 
 #: The measurements of each (baseline, ours) pair, in table order.
 METRICS = (("forward_ms", "embedding forward"), ("dlrm_ms", "DLRM inference"), ("train_ms", "training step"))
+
+
+def graphed(key: str) -> str:
+    """The key of a measurement's time captured in a CUDA graph and replayed
+    (``--cuda-graph``; ours only): ``forward_ms`` -> ``forward_graphed_ms``."""
+    return key.replace("_ms", "_graphed_ms")
+
+
+def eager(key: str) -> str:
+    """The eager measurement a (possibly graphed) key is compared with: TorchRec's
+    side runs eagerly only, so every speed-up divides its eager time."""
+    return key.replace("_graphed", "")
+
+
+def summarize(rounds: Sequence[Tuple[Dict[str, float], Dict[str, float]]]) -> Dict[str, Any]:
+    """The (TorchRec, ours) times of every round: per side, each measurement's median
+    over the rounds; and per round, TorchRec's eager time over each of ours, eager
+    and graphed (a ratio is taken within a round, where both sides ran on the same
+    host state)."""
+    base = {key: statistics.median(b[key] for b, _ in rounds) for key in rounds[0][0]}
+    ours = {key: statistics.median(o[key] for _, o in rounds) for key in rounds[0][1]}
+    per_round = {key: [b[eager(key)] / o[key] for b, o in rounds] for key in ours}
+    return {"baseline": base, "ours": ours, "speedup_per_round": per_round}
 
 
 def markdown(rows: List[Dict[str, Any]], header: str) -> str:
@@ -22,14 +46,54 @@ def markdown(rows: List[Dict[str, Any]], header: str) -> str:
         cells = []
         for key, _ in METRICS:
             base, ours = r["baseline"][key], r["ours"][key]
-            spread = r.get("speedup_per_round", {}).get(key, [])
-            rounds = f", rounds {min(spread):.2f}-{max(spread):.2f}x" if len(spread) > 1 else ""
-            cells.append(f"{base:.3f} / {ours:.3f} (**{base / ours:.2f}x**{rounds})")
+            cells.append(f"{base:.3f} / {ours:.3f} (**{base / ours:.2f}x**{_spread(r, key)})")
         agree = _agreement(r)
         lines.append(
             f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
             + " | ".join(cells)
             + f" | {agree} | {_floor(r)} | {r['ours']['forward_ms'] / r['floor_ms']:.1f}x |"
+        )
+    return "\n".join(lines) + "\n" + _graphed_markdown(rows)
+
+
+def _spread(row: Dict[str, Any], key: str) -> str:
+    """The rounds' range of the speed-up of ``key``, where there were rounds."""
+    spread = row.get("speedup_per_round", {}).get(key, [])
+    return f", rounds {min(spread):.2f}-{max(spread):.2f}x" if len(spread) > 1 else ""
+
+
+def _graphed_markdown(rows: List[Dict[str, Any]]) -> str:
+    """The rows measured with ``--cuda-graph``: per measurement, TorchRec's eager time,
+    ours eager and ours graphed, with TorchRec's eager time over ours graphed (what
+    a user of ours with CUDA graphs gains over TorchRec as it runs) and ours eager
+    over ours graphed (what the graph alone gains); empty without such rows."""
+    rows = [r for r in rows if graphed("forward_ms") in r["ours"]]
+    if not rows:
+        return ""
+    theirs = "; ".join(dict.fromkeys(f"{r['pair'][0]}: {r['baseline_graphed']}" for r in rows))
+    lines = [
+        "",
+        "CUDA graphs (`--cuda-graph`): ours captured once per model and replayed, inputs copied in. "
+        f"TorchRec's sharding graphed: {theirs}. Each cell: TorchRec eager / ours eager / ours graphed ms "
+        "(**TorchRec eager / ours graphed**, ours eager / ours graphed).",
+        "",
+        "| scenario | configuration | pair | forward ms | DLRM inference ms | training step ms | graphed outputs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for key, _ in METRICS:
+            base, ours, replayed = r["baseline"][key], r["ours"][key], r["ours"][graphed(key)]
+            cells.append(
+                f"{base:.3f} / {ours:.3f} / {replayed:.3f} "
+                f"(**{base / replayed:.2f}x**{_spread(r, graphed(key))}, graphs {ours / replayed:.2f}x)"
+            )
+        diff = r["graphed_max_diff"]
+        agree = "identical to eager" if diff == 0 else f"max diff {diff:.1e} from eager"
+        lines.append(
+            f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
+            + " | ".join(cells)
+            + f" | {agree} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -81,14 +145,18 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
         for pair, style in zip(dict.fromkeys(tuple(r["pair"]) for r in mine), ("-", "--", ":")):
             points = [(shorts.index(r["short"]), r) for r in mine if tuple(r["pair"]) == pair]
             for key, name in METRICS:
-                ax.plot(
-                    [x for x, _ in points],
-                    [r["baseline"][key] / r["ours"][key] for _, r in points],
-                    style,
-                    color=colors[key],
-                    marker="o",
-                    label=f"{name}, {pair[1]}",
-                )
+                # Ours graphed (``--cuda-graph``), against the same eager TorchRec time.
+                for measured, marker, mode in ((key, "o", ""), (graphed(key), "^", " graphed")):
+                    shown = [(x, r) for x, r in points if measured in r["ours"]]
+                    if shown:
+                        ax.plot(
+                            [x for x, _ in shown],
+                            [r["baseline"][key] / r["ours"][measured] for _, r in shown],
+                            style,
+                            color=colors[key],
+                            marker=marker,
+                            label=f"{name}{mode}, {pair[1]}",
+                        )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(list(range(len(shorts))))
         ax.set_xticklabels(shorts, rotation=30, fontsize=7)

@@ -1,7 +1,7 @@
 """The models and batches a benchmark runs: the same weights and ids whatever the
 sharding, so outputs can be compared bit for bit."""
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -174,20 +174,54 @@ def pooled_by_table(model: DistributedModelParallel, kjt: KeyedJaggedTensor) -> 
     return torch.stack([pooled[key] for key in kjt.keys()], dim=1).clone()
 
 
+def step_fns(
+    model: nn.Module,
+) -> Tuple[Callable[[KeyedJaggedTensor], torch.Tensor], Callable[[KeyedJaggedTensor, torch.Tensor], torch.Tensor]]:
+    """The forward (inference) and the training step (forward, then backward of the
+    given output gradient; the fused optimizer steps inside it) of ``model`` on one
+    batch, each returning its output: the same callables run eagerly and captured
+    in a CUDA graph (``--cuda-graph``), which needs a step's outputs to be tensors."""
+
+    def forward(kjt: KeyedJaggedTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(kjt)
+
+    def train_step(kjt: KeyedJaggedTensor, grad: torch.Tensor) -> torch.Tensor:
+        out = model(kjt)
+        out.backward(grad)
+        return out.detach()
+
+    return forward, train_step
+
+
+def dlrm_inference(model: nn.Module) -> Callable[[torch.Tensor, KeyedJaggedTensor], torch.Tensor]:
+    """The DLRM's inference on one batch of dense features and ids, returning its
+    predictions (see ``step_fns``)."""
+
+    def infer(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(dense, kjt)
+
+    return infer
+
+
+def cycle(fn: Callable[..., object], inputs: Sequence[Tuple[object, ...]]) -> Callable[[int], None]:
+    """``fn`` on the ``i``-th of ``inputs`` (cycling through them): a step for
+    ``timing.median_ms``."""
+
+    def step(i: int) -> None:
+        fn(*inputs[i % len(inputs)])
+
+    return step
+
+
 def steps(
     model: nn.Module, kjts: List[KeyedJaggedTensor], grads: List[torch.Tensor]
 ) -> Tuple[Callable[[int], None], Callable[[int], None]]:
     """The forward (inference) and the training step of ``model`` on batch ``i``
     (cycling through ``kjts``, with the output gradients ``grads``)."""
-
-    def forward(i: int) -> None:
-        with torch.no_grad():
-            model(kjts[i % len(kjts)])
-
-    def train_step(i: int) -> None:
-        model(kjts[i % len(kjts)]).backward(grads[i % len(grads)])
-
-    return forward, train_step
+    forward, train_step = step_fns(model)
+    return cycle(forward, [(kjt,) for kjt in kjts]), cycle(train_step, list(zip(kjts, grads)))
 
 
 def dense_features(cfg: Config, device: torch.device, n: int, rank: int) -> List[torch.Tensor]:
