@@ -70,7 +70,10 @@ def _graphed_markdown(rows: List[Dict[str, Any]]) -> str:
     rows = [r for r in rows if graphed("forward_ms") in r["ours"]]
     if not rows:
         return ""
-    theirs = "; ".join(dict.fromkeys(f"{r['pair'][0]}: {r['baseline_graphed']}" for r in rows))
+    reasons: Dict[str, List[str]] = {}
+    for r in rows:
+        reasons.setdefault(r["baseline_graphed"], []).append(r["pair"][0])
+    theirs = "; ".join(f"{', '.join(dict.fromkeys(names))}: {reason}" for reason, names in reasons.items())
     lines = [
         "",
         "CUDA graphs (`--cuda-graph`): ours captured once per model and replayed, inputs copied in. "
