@@ -99,3 +99,11 @@ def test_serves_the_checkpoint_quantized_under_pgas_table_wise(tmp_path):
     assert "AUROC float: " in out and "AUROC int8: " in out, out
     gap = float(out.split("predictions of float and int8 (pgas_table_wise) differ by at most ")[1].split()[0])
     assert 0 < gap < 0.02, out  # INT8 rows: one 255th of a row's range per element, before the MLPs
+
+
+@pytest.mark.parametrize("script", ["train.py", "infer.py"])
+def test_cuda_graph_on_cpu_ranks_says_it_needs_gpus(tmp_path, script):
+    args = ("--steps", "2") if script == "train.py" else ("--checkpoint", str(tmp_path / "none"))
+    done = torchrun(os.path.join(EXAMPLE, script), "--cuda-graph", *args, timeout=300)
+    assert done.returncode != 0
+    assert "--cuda-graph needs GPU ranks (CUDA graphs); this run's are cpu" in done.stdout + done.stderr

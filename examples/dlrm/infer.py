@@ -10,6 +10,11 @@ The checkpoint may have been saved under any sharding: each model loads it throu
 ``--quant int8|int4|fp16`` also quantizes the checkpoint's model with TorchRec's
 ``quantize_embeddings`` and serves it ``pgas_table_wise`` (CPU), printing the AUROC of
 the float and the quantized model on the same requests.
+
+``--cuda-graph`` (GPU ranks) serves the PGAS shardings from a CUDA graph of the whole
+forward (dense and sparse) captured on the first request, replayed for every request;
+TorchRec's own shardings, whose all-to-alls read sizes back to the host, are served
+eagerly beside them.
 """
 
 import argparse
@@ -17,7 +22,7 @@ import copy
 import itertools
 import statistics
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -25,8 +30,10 @@ import torch.distributed.checkpoint as dcp
 from data import random_batches
 from model import SHARDINGS, add_model_args, build, feature_names, shard
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
+from torchrec_pgas import capture, raise_errors
 from torchrec_pgas.process import finish, start_rank
 
 
@@ -38,6 +45,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=256, help="samples per rank")
     p.add_argument("--quant", choices=sorted(QUANT_DTYPES), help="also serve the model quantized, pgas_table_wise")
+    p.add_argument("--cuda-graph", action="store_true", help="serve the PGAS shardings from a CUDA graph (GPU ranks)")
     add_model_args(p)
     return p.parse_args()
 
@@ -80,6 +88,54 @@ def serve_quantized(args: argparse.Namespace, requests: List[Batch]) -> None:
         print(f"predictions of float and {args.quant} (pgas_table_wise) differ by at most {gap:.2e}")
 
 
+def graphed_forward(model: torch.nn.Module, like: Batch) -> Callable[[Batch], torch.Tensor]:
+    """The model's logits, replayed from a CUDA graph captured on ``like`` (under the
+    caller's ``no_grad``). The capture's warm-up serves ``like`` three times, and every
+    rank captures here, at the same step. Requests must have ``like``'s shape: smaller
+    ones are padded to it (``pad_like``)."""
+
+    def logits(dense: torch.Tensor, kjt: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+        return model(Batch(dense_features=dense, sparse_features=kjt, labels=labels))[1][1]
+
+    step = capture(logits, like.dense_features, like.sparse_features, like.labels, model=model)
+
+    def forward(batch: Batch) -> torch.Tensor:
+        padded = pad_like(batch, like)
+        return step(padded.dense_features, padded.sparse_features, padded.labels)[: batch.labels.numel()]
+
+    return forward
+
+
+def pad_like(batch: Batch, like: Batch) -> Batch:
+    """``batch`` in ``like``'s shape, for a graph captured on ``like``: empty samples
+    appended, and the ids it lacks (id 0) in the last one's last bag; their predictions
+    are dropped. A request with as many samples but fewer ids, or more samples or ids,
+    cannot be padded: refused."""
+    kjt, full = batch.sparse_features, like.sparse_features
+    n, size = batch.labels.numel(), like.labels.numel()
+    spare = full.values().numel() - kjt.values().numel()
+    if n == size and spare == 0:
+        return batch
+    if n >= size or spare < 0 or kjt.keys() != full.keys() or kjt.weights_or_none() is not None:
+        raise SystemExit(
+            f"--cuda-graph: a request of {n} samples and {kjt.values().numel()} ids does not fit the captured "
+            f"shape ({size} samples, {full.values().numel()} ids)"
+        )
+    keys, lengths = kjt.keys(), kjt.lengths()
+    padding = lengths.new_zeros(len(keys), size - n)
+    padding[-1, -1] = spare
+    dense = batch.dense_features
+    return Batch(
+        dense_features=torch.cat([dense, dense.new_zeros(size - n, dense.shape[1])]),
+        sparse_features=KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat([kjt.values(), kjt.values().new_zeros(spare)]),
+            lengths=torch.cat([lengths.view(len(keys), n), padding], dim=1).flatten(),
+        ),
+        labels=torch.cat([batch.labels, batch.labels.new_zeros(size - n)]),
+    )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -94,6 +150,8 @@ def main() -> None:
     device = start_rank()
     if args.quant and device.type != "cpu":
         raise SystemExit("--quant serves quantized tables on CPU ranks only so far")
+    if args.cuda_graph and device.type != "cuda":
+        raise SystemExit(f"--cuda-graph needs GPU ranks (CUDA graphs); this run's are {device.type}")
     rank, world = dist.get_rank(), dist.get_world_size()
     requests = [
         b.to(device)
@@ -112,21 +170,28 @@ def main() -> None:
         model.eval()
         times, preds = [], []
         with torch.no_grad():
+            graphed = args.cuda_graph and sharding.startswith("pgas_")
+            forward = graphed_forward(model, requests[0]) if graphed else lambda b: model(b)[1][1]
             for i, batch in enumerate(
                 tqdm([*requests[: args.warmup], *requests], desc=f"serve {sharding}", disable=rank != 0)
             ):
                 dist.barrier()
                 _sync(device)
                 start = time.perf_counter()
-                _, (_, logits, _) = model(batch)
+                logits = forward(batch)
                 _sync(device)
                 if i >= args.warmup:
                     times.append((time.perf_counter() - start) * 1e3)
                     preds.append(torch.sigmoid(logits))
+            if graphed:
+                raise_errors(model, wait=True)  # what the last replays reported
         latencies[sharding], predictions[sharding] = times, preds
 
     if rank == 0:
         print(f"\nDLRM inference, {world} x {device.type}, {args.batch_size} samples per rank, {args.batches} batches")
+        if args.cuda_graph:
+            names = ", ".join(s for s in shardings if s.startswith("pgas_")) or "none"
+            print(f"served from CUDA graphs: {names} (TorchRec's shardings eagerly)")
         print(f"{'sharding':<18}{'p50 ms':>9}{'p99 ms':>9}{'samples/s':>12}")
         for sharding, times in latencies.items():
             p99 = statistics.quantiles(times, n=100)[98] if len(times) > 1 else times[0]

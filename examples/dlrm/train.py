@@ -8,11 +8,16 @@ tables, Adagrad for the dense layers, AUROC from torchmetrics on held-out batche
 ``torch.distributed.checkpoint`` checkpoint (``--checkpoint`` to save, ``--resume`` to
 start from one, whatever sharding it was saved under). ``--data`` takes a Criteo TSV
 file (``make_criteo_sample.py`` writes a small one); random data otherwise.
+
+``--cuda-graph`` (GPU ranks, random data: a graph replays batches of one shape) trains
+with the whole step (forward, backward with the fused table optimizer, the dense
+optimizer's step) replayed from a CUDA graph instead of the pipeline.
 """
 
 import argparse
 import itertools
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,11 +25,14 @@ import torch.distributed.checkpoint as dcp
 import torchmetrics
 from data import criteo_batches, random_batches
 from model import SHARDINGS, add_model_args, feature_names, shard
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
+from torchrec_pgas import capture, raise_errors
 from torchrec_pgas.process import finish, start_rank
 
 
@@ -37,6 +45,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256, help="samples per rank")
     p.add_argument("--checkpoint", default=None, help="directory to save the trained model to")
     p.add_argument("--resume", default=None, help="checkpoint directory to start from")
+    p.add_argument("--cuda-graph", action="store_true", help="replay the training step from a CUDA graph (GPU ranks)")
     add_model_args(p)
     return p.parse_args()
 
@@ -48,9 +57,36 @@ def batches(args: argparse.Namespace, held_out: bool):
     return criteo_batches(args.data, feature_names(args), args.batch_size, args.rows, rank, world, held_out)
 
 
+def graphed_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, like: Batch
+) -> Callable[[Batch], torch.Tensor]:
+    """The training step, replayed from a CUDA graph captured on ``like``; returns a
+    batch's loss. The capture's warm-up trains on ``like`` three times, and every rank
+    captures here, at the same step.
+
+    The dense Adagrad replays exactly: with ``lr_decay`` 0 its update reads only device
+    tensors (its step count, kept on the host, stays at the warm-up's)."""
+
+    def step(dense: torch.Tensor, kjt: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+        # TorchRec's wrapper of the dense optimizer sets the gradients to None: captured,
+        # the backward then writes them afresh into the graph's memory at every replay.
+        optimizer.zero_grad()
+        loss, _ = model(Batch(dense_features=dense, sparse_features=kjt, labels=labels))
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    captured = capture(step, like.dense_features, like.sparse_features, like.labels, model=model)
+    return lambda batch: captured(batch.dense_features, batch.sparse_features, batch.labels).clone()
+
+
 def main() -> None:
     args = parse()
     device = start_rank()
+    if args.cuda_graph and device.type != "cuda":
+        raise SystemExit(f"--cuda-graph needs GPU ranks (CUDA graphs); this run's are {device.type}")
+    if args.cuda_graph and args.data != "random":
+        raise SystemExit("--cuda-graph replays batches of one shape: use --data random (Criteo's vary in ids)")
     rank = dist.get_rank()
     model = shard(args, args.sharding, device)
     dense = KeyedOptimizerWrapper(
@@ -68,10 +104,19 @@ def main() -> None:
     pipeline = TrainPipelineSparseDist(model, optimizer, device)
 
     train = itertools.islice(batches(args, held_out=False), args.steps)
+    if args.cuda_graph:
+        first = next(train).to(device)
+        train = itertools.chain([first], train)
+        graphed = graphed_step(model, optimizer, first)
     losses, start = [], time.perf_counter()
     for _ in tqdm(range(args.steps), desc=f"train {args.sharding}", disable=rank != 0):
+        if args.cuda_graph:
+            losses.append(graphed(next(train)))  # read once training is done: no wait per step
+            continue
         loss, _, _ = pipeline.progress(train)  # DLRMTrain: (loss, logits, labels)
         losses.append(float(loss))
+    if args.cuda_graph:
+        raise_errors(model, wait=True)  # waits for the last steps, and raises what they reported
     elapsed = time.perf_counter() - start
 
     # The pipeline has taken over the model's forward; in eval mode it runs the forward
@@ -91,7 +136,7 @@ def main() -> None:
         rate = args.steps * args.batch_size * dist.get_world_size() / elapsed
         print(
             f"{args.sharding}: {args.steps} steps on {dist.get_world_size()} x {device.type}, "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval AUROC {score:.4f}, "
+            f"loss {float(losses[0]):.4f} -> {float(losses[-1]):.4f}, eval AUROC {score:.4f}, "
             f"{rate:,.0f} samples/s" + (f", checkpoint in {args.checkpoint}" if args.checkpoint else "")
         )
     finish()
