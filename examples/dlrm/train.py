@@ -87,6 +87,11 @@ def main() -> None:
         raise SystemExit(f"--cuda-graph needs GPU ranks (CUDA graphs); this run's are {device.type}")
     if args.cuda_graph and args.data != "random":
         raise SystemExit("--cuda-graph replays batches of one shape: use --data random (Criteo's vary in ids)")
+    if args.cuda_graph and not args.sharding.startswith("pgas_"):
+        raise SystemExit(
+            "--cuda-graph: TorchRec's own shardings cannot be captured (their all-to-alls read sizes back "
+            "to the host): use --sharding pgas_table_wise or pgas_row_wise"
+        )
     rank = dist.get_rank()
     model = shard(args, args.sharding, device)
     dense = KeyedOptimizerWrapper(
