@@ -336,6 +336,8 @@ def capture(
     (``zero_grad()``): captured, ``set_to_none=True`` makes the backward write fresh
     gradients into the graph's memory, ``False`` zeros them in place; gradients left
     from the warm-up and not cleared would be added to at every replay.
+    Dense layers under ``DistributedDataParallel`` (DMP's default): torch's recipe asks
+    for ``warmup=11``.
 
     A capture that fails leaves the model's exchanges in an unknown state (their host
     side prepared a step that never ran): rebuild the model.

@@ -61,8 +61,10 @@ def graphed_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, like: Batch
 ) -> Callable[[Batch], torch.Tensor]:
     """The training step, replayed from a CUDA graph captured on ``like``; returns a
-    batch's loss. The capture's warm-up trains on ``like`` three times, and every rank
-    captures here, at the same step.
+    batch's loss. Every rank captures here, at the same step. The capture's warm-up
+    trains on ``like`` eleven times: the dense layers are under DistributedDataParallel
+    (DMP's), whose first iterations set its buckets up (torch's recipe for DDP in CUDA
+    graphs asks for 11).
 
     The dense Adagrad replays exactly: with ``lr_decay`` 0 its update reads only device
     tensors (its step count, kept on the host, stays at the warm-up's)."""
@@ -76,7 +78,7 @@ def graphed_step(
         optimizer.step()
         return loss.detach()
 
-    captured = capture(step, like.dense_features, like.sparse_features, like.labels, model=model)
+    captured = capture(step, like.dense_features, like.sparse_features, like.labels, warmup=11, model=model)
     return lambda batch: captured(batch.dense_features, batch.sparse_features, batch.labels).clone()
 
 
