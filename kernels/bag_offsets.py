@@ -13,16 +13,22 @@ lookup order (a ticket, so that the blocks before its own are held by programs t
 already run), publishes its block's total length, adds up the totals of the blocks
 before it (spinning until each is published; they never wait on a later block) and
 writes its bags' cumulative lengths to ``offsets[1:]``. The program with ticket 0 also
-writes the headers and ``offsets[0] = 0``; the last one to finish zeroes ``scan`` for
-the next launch.
+writes the headers, the step and ``offsets[0] = 0``; the last one to finish zeroes
+``scan`` for the next launch and ticks the ``RECV`` word of the clock.
+
+The step is the clock's ``RECV + 1`` (``step_clock``): it picks the generation of the
+mailbox and the signal value to wait for (``per_step`` per step), so that a replayed
+CUDA graph receives the next step.
 
 Buffers:
-    slots:    uint8, this step's generation of the ids mailbox: S slots of
-              ``slot_bytes``, each an ``ids_slot`` layout (header, int32 lengths at
+    ids:      uint8 [DEPTH * S * slot_bytes], the ids mailbox: per generation, S slots
+              of ``slot_bytes``, each an ``ids_slot`` layout (header, int32 lengths at
               ``lengths_offset``, ...)
     offsets:  int64 [F * S * batch_capacity + 1]  out
-    record:   int64 [S * 8 + 4]  out: the S slot headers, in source order (the last
-              four words are left for ``output_take`` to copy the error record into)
+    record:   int64 [S * 8 + 5]  out: the S slot headers, in source order, then four
+              words left for ``output_take`` to copy the error record into, then the
+              step
+    step:     int64 [1]  in/out: the clock's ``RECV`` word
     ready:    int64 [S]  this rank's ready signals, one word per source (with WAIT)
     err:      int64 [4]  error record (see ``signals.py``)
     scan:     int64 [2 + programs]  tickets taken, programs finished, then each block's
@@ -37,9 +43,12 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, IdsSlotLayout, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
+from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER
 from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, wait_ge
+from torchrec_pgas.kernels.step_clock import RECORD_STEP
 
 _OK = tl.constexpr(Status.OK.value)
+_RECORD_STEP = tl.constexpr(RECORD_STEP)
 #: Set in a block's published total (a total may be zero).
 PUBLISHED = tl.constexpr(1 << 62)
 BLOCK = 1024
@@ -55,29 +64,34 @@ NUM_WARPS = 4
         "batch_capacity",
         "slot_bytes",
         "lengths_offset",
-        "target",
+        "per_step",
         "timeout_ns",
     ]
 )
 def bag_offsets_kernel(
-    slots_ptr,
+    ids_ptr,
     offsets_ptr,
     record_ptr,
     ready_ptr,
     err_ptr,
     scan_ptr,
+    step_ptr,
     num_features: tl.int64,
     num_sources: tl.int64,
     batch_capacity: tl.int64,
     slot_bytes: tl.int64,
     lengths_offset: tl.int64,
-    target: tl.int64,
+    per_step: tl.int64,
     timeout_ns: tl.int64,
     WAIT: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     LOOK: tl.constexpr,
+    DEPTH: tl.constexpr,
 ):
+    step = tl.load(step_ptr) + 1
+    target = step * per_step
+    slots_ptr = ids_ptr + (step % DEPTH) * num_sources * slot_bytes
     arrived = num_sources >= 0
     if WAIT:
         for q in range(num_sources):
@@ -100,6 +114,7 @@ def bag_offsets_kernel(
         for q in range(num_sources):
             header = (slots_ptr + slot_bytes * q).to(tl.pointer_type(tl.int64), bitcast=True)
             tl.store(record_ptr + q * WORDS + words, tl.load(header + words))
+        tl.store(record_ptr + num_sources * WORDS + _RECORD_STEP, step)
         tl.store(offsets_ptr, 0)
     slot = slots_ptr + s * slot_bytes
     header = slot.to(tl.pointer_type(tl.int64), bitcast=True)
@@ -129,6 +144,7 @@ def bag_offsets_kernel(
             j = first + tl.arange(0, LOOK)
             tl.store(totals + j, tl.zeros([LOOK], dtype=tl.int64), mask=j < programs)
         tl.store(scan_ptr, 0)
+        tl.store(step_ptr, step)
 
 
 _launcher = Launcher(bag_offsets_kernel)
@@ -144,40 +160,46 @@ def scan_state(num_features: int, num_sources: int, layout: IdsSlotLayout, devic
 
 
 def bag_offsets(
-    slots: torch.Tensor,
+    ids: torch.Tensor,
+    num_sources: int,
     num_features: int,
     layout: IdsSlotLayout,
     record: torch.Tensor,
     scan: torch.Tensor,
+    step: torch.Tensor,
     ready: Optional[torch.Tensor] = None,
-    target: int = 0,
     err: Optional[torch.Tensor] = None,
     timeout_ns: int = 0,
 ) -> torch.Tensor:
-    """The lookup's bag offsets over ``num_features`` features of every source slot in
-    ``slots`` (``[S * slot_bytes]`` uint8), once ``ready[s] >= target`` for every
-    source ``s`` (without ``ready``: at once); the slots' headers go to ``record``."""
-    S = slots.numel() // layout.nbytes
-    offsets = torch.empty(num_features * S * layout.batch_capacity + 1, dtype=torch.int64, device=slots.device)
+    """The lookup's bag offsets over ``num_features`` features of every source slot of
+    the next step's generation of ``ids`` (``[depth * S * slot_bytes]`` uint8), once
+    ``ready[s]`` has counted the step's puts for every source ``s`` (without
+    ``ready``: at once); the slots' headers and the step go to ``record``, and the
+    step to ``step`` (the clock's ``RECV`` word)."""
+    S = num_sources
+    depth = ids.numel() // (S * layout.nbytes)
+    offsets = torch.empty(num_features * S * layout.batch_capacity + 1, dtype=torch.int64, device=ids.device)
     wait = ready is not None
     _launcher[(_programs(num_features, S, layout),)](
-        slots,
+        ids,
         offsets,
         record,
         ready if wait else record,
         err if wait else record,
         scan,
+        step,
         num_features,
         S,
         layout.batch_capacity,
         layout.nbytes,
         layout.lengths_offset,
-        target,
+        PROGRAMS_PER_PEER,
         timeout_ns,
         WAIT=wait,
         WORDS=HEADER_WORDS,
         BLOCK=BLOCK,
         LOOK=LOOK,
+        DEPTH=depth,
         num_warps=NUM_WARPS,
     )
     return offsets

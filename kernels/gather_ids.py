@@ -4,12 +4,14 @@ The bags are laid out as ``bag_offsets`` says; ``offsets`` are the whole batch's
 A lookup group holds features ``[first_feature, first_feature + F)``; its index
 tensor starts at the first of its bags. Program ``(f, s, c)`` copies share ``c`` of
 ``SPLIT`` of the ids of feature ``first_feature + f`` of source ``s``, so the copy
-uses the whole GPU however few features and sources there are.
+uses the whole GPU however few features and sources there are. The slots are those of
+the generation of the step in ``step`` (``step_clock``: the step's record).
 
 Buffers:
-    slots:     uint8, this step's generation of the ids mailbox: S slots of
-               ``slot_bytes``, ids (int64) at ``ids_offset`` and weights (float32) at
-               ``weights_offset`` of each slot, feature-major
+    ids:       uint8 [DEPTH * S * slot_bytes], the ids mailbox: per generation, S
+               slots of ``slot_bytes``, ids (int64) at ``ids_offset`` and weights
+               (float32) at ``weights_offset`` of each slot, feature-major
+    step:      int64 [1]  the ids step
     offsets:   int64 [num_features * S * batch_capacity + 1]  the batch's bag offsets
     indices:   int64 [>= the group's ids]   out
     weights:   float32 [>= the group's ids] out (only with HAS_WEIGHTS)
@@ -31,7 +33,8 @@ NUM_WARPS = 4
     do_not_specialize=["first_feature", "num_sources", "batch_capacity", "slot_bytes", "ids_offset", "weights_offset"]
 )
 def gather_ids_kernel(
-    slots_ptr,
+    ids_ptr,
+    step_ptr,
     offsets_ptr,
     indices_ptr,
     weights_ptr,
@@ -44,7 +47,9 @@ def gather_ids_kernel(
     HAS_WEIGHTS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    DEPTH: tl.constexpr,
 ):
+    slots_ptr = ids_ptr + (tl.load(step_ptr) % DEPTH) * num_sources * slot_bytes
     f = first_feature + tl.program_id(0)
     s = tl.program_id(1)
     c = tl.program_id(2)
@@ -77,7 +82,9 @@ _launcher = Launcher(gather_ids_kernel)
 
 
 def gather_ids(
-    slots: torch.Tensor,
+    ids: torch.Tensor,
+    step: torch.Tensor,
+    num_sources: int,
     offsets: torch.Tensor,
     indices: torch.Tensor,
     weights: torch.Tensor,
@@ -87,11 +94,12 @@ def gather_ids(
     has_weights: bool,
 ) -> None:
     """Launches ``(num_features, S, SPLIT)`` programs (see the module docstring)."""
-    S = slots.numel() // layout.nbytes
+    S = num_sources
     if num_features == 0 or S == 0:
         return
     _launcher[(num_features, S, SPLIT)](
-        slots,
+        ids,
+        step,
         offsets,
         indices,
         weights,
@@ -104,5 +112,6 @@ def gather_ids(
         HAS_WEIGHTS=has_weights,
         SPLIT=SPLIT,
         BLOCK=BLOCK,
+        DEPTH=ids.numel() // (S * layout.nbytes),
         num_warps=NUM_WARPS,
     )

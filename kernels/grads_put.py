@@ -37,6 +37,9 @@ Buffers:
     free:   int64 [world]  this rank's gradient free signals: free[q] is the last step
             owner q released
     err:    int64 [4]  error record (see ``signals.py``)
+    step:   int64 [1]  the clock's ``GRAD`` word: this step is one more (``step_clock``:
+            it picks the generation, ``DEPTH`` of them ``generation_bytes`` apart, and
+            the wait for the owner's release of the step ``DEPTH`` before)
 """
 
 import torch
@@ -46,6 +49,7 @@ import triton.language as tl
 from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, count_in, signal_put, wait_ge
+from torchrec_pgas.kernels.step_clock import StepRef, read_step
 
 BLOCK_B = 32
 BLOCK_D = 128
@@ -56,24 +60,29 @@ PUT_DEST_WORDS = 9
 
 
 @nv.has_put_path
-@triton.jit(do_not_specialize=["batch", "generation_bytes", "free_target", "timeout_ns"])
+@triton.jit(do_not_specialize=["batch", "generation_bytes", "step_add", "timeout_ns"])
 def grads_put_kernel(
     grad_ptr,
     dests_ptr,
     free_ptr,
     err_ptr,
+    step_ptr,
     batch: tl.int64,
     pitch,
     generation_bytes: tl.int64,
     scale: tl.float32,
-    free_target: tl.int64,
+    step_add: tl.int64,
     timeout_ns: tl.int64,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
     DEST_WORDS: tl.constexpr,
+    DEPTH: tl.constexpr,
     PUT_PATH: tl.constexpr = False,
 ):
+    step = read_step(step_ptr, step_add)
+    free_target = step - DEPTH
+    generation_bytes = (step % DEPTH) * generation_bytes
     p = tl.program_id(0)
     blk = tl.program_id(1)
     dest = dests_ptr + p * DEST_WORDS
@@ -134,15 +143,17 @@ def grads_put(
     free: torch.Tensor,
     err: torch.Tensor,
     batch_capacity: int,
+    step: StepRef,
+    depth: int,
     generation_bytes: int,
     scale: float,
-    free_target: int,
     timeout_ns: int,
     *,
     put_path: bool = False,
 ) -> None:
     """Launches ``(P, programs_per_source(batch_capacity))`` programs for ``grad``'s
-    ``grad.size(0)`` rows (see the module docstring). With ``put_path``, ``dests`` has
+    ``grad.size(0)`` rows into generation ``step % depth`` of the owners' slots (see
+    the module docstring). With ``put_path``, ``dests`` has
     ``PUT_DEST_WORDS`` words a row and owners without a peer mapping are served through
     NVSHMEM (which must be initialized)."""
     grid = (dests.size(0), programs_per_source(batch_capacity))
@@ -156,16 +167,18 @@ def grads_put(
         dests,
         free,
         err,
+        step.word,
         grad.size(0),
         grad.stride(0),
         generation_bytes,
         scale,
-        free_target,
+        step.add,
         timeout_ns,
         BLOCK_B=BLOCK_B,
         BLOCK_D=BLOCK_D,
         ALIGN=4 * grad.element_size(),
         DEST_WORDS=words,
+        DEPTH=depth,
         num_warps=NUM_WARPS,
         **put,
     )

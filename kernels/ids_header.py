@@ -3,7 +3,9 @@
 One program. It reads the verdict of ``ids_check``, decides the batch's status (the
 same for every owner, so every rank raises the same error) and, per owner, where its
 lengths, ids and weights are in this rank's KJT. A batch that is not ``OK`` is sent as
-its header alone, so owners never see bad ids.
+its header alone, so owners never see bad ids. It also takes the send's step (ticks
+the ``SEND`` word of the clock, ``step_clock``), whose generation of the owners' slots
+the chunks point into.
 
 An owner's features need not be contiguous in the routed KJT: they are given as runs
 of consecutive features, each run sent as three chunks (lengths, ids, weights) that
@@ -18,6 +20,7 @@ problem's detail is read from the checked one.
 
 Buffers:
     verdict:         int64 [2]           in/out: see ``ids_check``; reset to ``NONE``
+    step:            int64 [1]           in/out: the last send's step; becomes this one's
     values:          int64 [n_ids]       the routed KJT's ids
     offsets:         int  [F * batch + 1] the routed KJT's offsets
     check_values:    int64 [n_ids]       the checked KJT's ids
@@ -61,7 +64,8 @@ _BAD_LENGTHS = tl.constexpr(Status.BAD_LENGTHS.value)
         "host_d2",
         "batch_capacity",
         "ids_capacity",
-        "slot_offset",
+        "my_slot",
+        "generation_bytes",
         "lengths_offset",
         "ids_offset",
         "weights_offset",
@@ -81,6 +85,7 @@ def ids_header_kernel(
     runs_ptr,
     headers_ptr,
     chunks_ptr,
+    step_ptr,
     batch: tl.int64,
     n_ids: tl.int64,
     num_features: tl.int64,
@@ -92,7 +97,8 @@ def ids_header_kernel(
     host_d2: tl.int64,
     batch_capacity: tl.int64,
     ids_capacity: tl.int64,
-    slot_offset: tl.int64,
+    my_slot: tl.int64,
+    generation_bytes: tl.int64,
     lengths_offset: tl.int64,
     ids_offset: tl.int64,
     weights_offset: tl.int64,
@@ -105,7 +111,10 @@ def ids_header_kernel(
     R: tl.constexpr,
     WORDS: tl.constexpr,
     NONE: tl.constexpr,
+    DEPTH: tl.constexpr,
 ):
+    step = tl.load(step_ptr) + 1
+    slot_offset = (step % DEPTH) * generation_bytes + my_slot
     w = tl.arange(0, BLOCK_W)
     wm = w < W
     zero = tl.zeros([BLOCK_W], dtype=tl.int64)
@@ -123,6 +132,7 @@ def ids_header_kernel(
     tl.debug_barrier()
     tl.store(verdict_ptr, NONE)
     tl.store(verdict_ptr + 1, NONE)
+    tl.store(step_ptr, step)
     feature = num_check_features * 0
     for f in range(num_check_features):
         feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
@@ -233,10 +243,14 @@ def ids_header(
     batch: int,
     host_problem: "tuple | None",
     layout: IdsSlotLayout,
-    slot_offset: int,
+    step: torch.Tensor,
+    source: int,
+    depth: int,
     checked: "tuple[torch.Tensor, torch.Tensor] | None" = None,
 ) -> None:
-    """Fills ``headers`` and ``chunks`` for one batch (see the module docstring).
+    """Fills ``headers`` and ``chunks`` for one batch (see the module docstring), sent
+    by rank ``source`` into generation ``step % depth`` of the owners' ``[depth, W]``
+    slots, ``step`` being the send's (``step[0]``, ticked).
     ``host_problem`` is ``(Status, detail)`` of a problem the host found, if any;
     ``checked`` the ``(values, offsets)`` that ``ids_check`` checked, if not the routed
     ones."""
@@ -254,6 +268,7 @@ def ids_header(
         runs,
         headers,
         chunks,
+        step,
         batch,
         values.numel(),
         lengths.numel() // max(batch, 1),
@@ -265,7 +280,8 @@ def ids_header(
         d2,
         layout.batch_capacity,
         layout.ids_capacity,
-        slot_offset,
+        source * layout.nbytes,
+        world * layout.nbytes,
         layout.lengths_offset,
         layout.ids_offset,
         layout.weights_offset,
@@ -278,5 +294,6 @@ def ids_header(
         R=runs.size(1),
         WORDS=HEADER_WORDS,
         NONE=NONE,
+        DEPTH=depth,
         num_warps=1,
     )

@@ -26,11 +26,18 @@ local symmetric staging buffer laid out as its output slot, each program puts it
 (a signal) every row of the block has landed. Without ``PUT_PATH`` the kernel is the
 same code as before the put path existed.
 
+The steps are read from device memory (``step_clock``), so that a replayed CUDA graph
+serves the step it replays: the ids step from the step's record (it picks the
+generation of the ids slots) and the output step from the clock's ``OUT`` word plus
+one (the generation of the requesters' output slots, and the flow control's wait).
+
 Buffers:
-    slots:     uint8, this step's generation of the ids mailbox: S slots of
-               ``slot_bytes``, each an ``ids_slot`` layout (header: status, batch size,
-               ...; ids int64 at ``ids_offset`` and weights float32 at
+    ids:       uint8 [DEPTH * S * slot_bytes], the ids mailbox: per generation, S slots
+               of ``slot_bytes``, each an ``ids_slot`` layout (header: status, batch
+               size, ...; ids int64 at ``ids_offset`` and weights float32 at
                ``weights_offset``, feature-major)
+    ids_step:  int64 [1]  the ids step (in the step's record)
+    out_step:  int64 [1]  the clock's ``OUT`` word: the output step is one more
     offsets:   int64 [F * S * batch_capacity + 1]  bag offsets of ``bag_offsets``: bag
                ``(f, s, b)`` is ``(f * S + s) * batch_capacity + b``
     features:  int64 [F, 4]  per feature: address of its table's row 0, dim, first
@@ -39,10 +46,10 @@ Buffers:
     table:     any tensor of the tables' dtype (only its pointer type is used); rows
                start at multiples of 4 elements (``ROW_ALIGN`` bytes)
     out_like:  any tensor of the output's dtype (only its pointer type is used)
-    out_addrs: int64 [S]  address of each requester's output slot of this step
-               (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a multiple
-               of 4), through the peer mapping; with ``PUT_PATH``, int64
-               [PUT_ROWS, S], the table of ``rows_put``: that row (0 where there is no
+    out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
+               output slot (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a
+               multiple of 4), through the peer mapping; with ``PUT_PATH``, int64
+               [DEPTH, PUT_ROWS, S], the tables of ``rows_put``: that row (0 where there is no
                mapping), then each requester's PE, the symmetric addresses of its
                output slot and of its counter word for this owner, and the address of
                a local symmetric staging buffer laid out as its output slot
@@ -65,6 +72,7 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.rows_put import PUT_ROWS
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
+from torchrec_pgas.kernels.step_clock import RECORD_STEP
 
 #: One warp per bag, as FBGEMM.
 BLOCK_B = 2
@@ -75,6 +83,7 @@ NUM_WARPS = 2
 ROWS = 4
 #: Earlier features whose ids a program counts at once, at most (to find its bags' ids).
 MAX_FEATURES = 32
+_PUT_ROWS = tl.constexpr(PUT_ROWS)
 
 
 @triton.jit
@@ -109,12 +118,13 @@ def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
         "weights_offset",
         "pitch",
         "done_target",
-        "free_target",
         "timeout_ns",
     ]
 )
 def lookup_put_kernel(
-    slots_ptr,
+    mailbox_ptr,
+    ids_step_ptr,
+    out_step_ptr,
     offsets_ptr,
     features_ptr,
     table_ptr,
@@ -130,8 +140,8 @@ def lookup_put_kernel(
     weights_offset: tl.int64,
     pitch: tl.int64,
     done_target: tl.int64,
-    free_target: tl.int64,
     timeout_ns: tl.int64,
+    DEPTH: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
@@ -147,6 +157,14 @@ def lookup_put_kernel(
     s = tl.program_id(1)
     f = tl.program_id(2)
     S = tl.num_programs(1)
+    slots_ptr = mailbox_ptr + (tl.load(ids_step_ptr) % DEPTH) * S * slot_bytes
+    out_step = tl.load(out_step_ptr) + 1
+    free_target = out_step - DEPTH
+    # This step's table of the requesters' output slots.
+    if PUT_PATH:
+        out_addrs_ptr += (out_step % DEPTH) * _PUT_ROWS * S
+    else:
+        out_addrs_ptr += (out_step % DEPTH) * S
     slot = slots_ptr + s.to(tl.int64) * slot_bytes
     batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
     ok = blk * BLOCK_B < batch
@@ -241,7 +259,10 @@ _launcher = Launcher(lookup_put_kernel)
 
 
 def lookup_put(
-    slots: torch.Tensor,
+    ids: torch.Tensor,
+    record: torch.Tensor,
+    at: int,
+    clock_out: torch.Tensor,
     offsets: torch.Tensor,
     features: torch.Tensor,
     table: torch.Tensor,
@@ -254,23 +275,25 @@ def lookup_put(
     layout: IdsSlotLayout,
     pitch: int,
     has_weights: bool,
-    free_target: int,
     timeout_ns: int,
     *,
     put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, S, F)`` programs (see the module
-    docstring). With ``put_path``, ``out_addrs`` is the ``[PUT_ROWS, S]`` table and
-    requesters without a peer mapping are served through NVSHMEM (which must be
-    initialized)."""
-    S, F = out_addrs.size(-1), features.size(0)
+    docstring) for the ids step in ``record[at + RECORD_STEP]`` (``record``: the step's,
+    ``bag_offsets``') and the output step after ``clock_out[0]``. With ``put_path``,
+    ``out_addrs`` is the ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer
+    mapping are served through NVSHMEM (which must be initialized)."""
+    depth, S, F = out_addrs.size(0), out_addrs.size(-1), features.size(0)
     if F == 0:
         return
-    put = nv.put_path_options("out_addrs", out_addrs, (PUT_ROWS, S)) if put_path else {}
+    put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
-        slots,
+        ids,
+        record[at + RECORD_STEP :],
+        clock_out,
         offsets,
         features,
         table,
@@ -286,8 +309,8 @@ def lookup_put(
         layout.weights_offset,
         pitch,
         F * (COUNT_B // BLOCK_B),
-        free_target,
         timeout_ns,
+        DEPTH=depth,
         HAS_WEIGHTS=has_weights,
         ROW_ALIGN=4 * table.element_size(),
         OUT_ALIGN=4 * out_like.element_size(),

@@ -4,16 +4,25 @@ order, for row-wise), then hands the slot back to the owners, and the ids slots 
 to their sources when the lookup pooled straight from them. One launch, since a step's
 time is mostly the host's and each launch costs the host more than the device.
 
-Program ``(blk, c)`` waits until every owner's counter for this rank has reached
-``target`` (not once the error record holds an error, such as another program's timed
-out wait: the programs would otherwise time out wave after wave), then writes rows ``blk * BLOCK_B ...`` and columns
-``c * BLOCK_D ...`` of ``out``: ``slot[0] + slot[1] + ...`` over the ``BLOCKS`` blocks,
-added in that order in fp32 and rounded to the output dtype after each addition, as
-torch adds tensors. The programs tick ``done`` (acquire-release at GPU scope); the last
-one resets it, copies the error record to ``record[at:]`` and releases the slots: it
-stores ``out_step`` into every owner's free word for this rank, and ``ids_step`` (if
-nonzero) into every source's, with release semantics at system scope (cumulative: after
-every program's reads of the slot).
+The step is the clock's ``OUT + 1`` (``step_clock``; a replayed CUDA graph takes the
+next one): it picks the generation of the output slots. Program ``(blk, c)`` waits
+until every owner's counter for this rank has reached the clock's ``EXPECTED`` plus
+``expect`` (not once the error record holds an error, such as another program's timed
+out wait: the programs would otherwise time out wave after wave), then writes rows
+``blk * BLOCK_B ...`` and columns ``c * BLOCK_D ...`` of ``out``: ``slot[0] + slot[1] +
+...`` over the ``BLOCKS`` blocks, added in that order in fp32 and rounded to the output
+dtype after each addition, as torch adds tensors. If the step is bad (a source's header
+in ``record`` is not ``OK``, or the error record holds an error), the rows are NaN
+instead: the host raises for the step later (``ring``), and its output must not pass
+for a result meanwhile.
+
+The programs tick ``done`` (acquire-release at GPU scope); the last one resets it,
+copies the error record to ``record[at:]``, releases the slots (it stores the step into
+every owner's free word for this rank, and with ``RELEASE_IDS`` the ids step of
+``record`` into every source's, with release semantics at system scope: cumulative,
+after every program's reads of the slot), advances the clock's ``OUT`` and
+``EXPECTED`` words, and copies ``record`` into entry ``step % RING`` of ``ring``
+(host memory), the step last, which the host reads without waiting for the device.
 
 Compiled with ``PUT_PATH``, a free word whose address is 0 (a peer without a peer
 mapping: another node) is set through NVSHMEM instead, with a signal (one per program:
@@ -22,8 +31,8 @@ before it. Without ``PUT_PATH`` the kernel is the same code as before the put pa
 existed.
 
 Buffers:
-    slot:      [BLOCKS, rows, pitch]  this step's output slot, one block per owner that
-               stores into it (table-wise: one block)
+    slots:     [DEPTH, BLOCKS, rows, pitch]  the output slots, per generation one block
+               per owner that stores into it (table-wise: one block)
     out:       [batch, pitch]  out
     counts:    int64 [world]  this rank's output counters, one word per owner
     owners:    int32 [P]  the owners to wait for
@@ -35,7 +44,11 @@ Buffers:
                mapping); with ``PUT_PATH``, int64 [PUT_ROWS, S], as ``out_free``
     done:      int64 [1]  programs of this launch finished (zero between launches)
     err:       int64 [4]  error record (see ``signals.py``)
-    record:    int64 [at + 4]  out: the error record at ``at``
+    record:    int64 [at + 5]  the step's headers (``at = S * 8`` words, source-major),
+               out: the error record at ``at``; the ids step at ``at + RECORD_STEP``
+    clock:     int64 [WORDS]  in/out: the ``OUT`` and ``EXPECTED`` words
+    ring:      int64 [RING, at + 6], host memory (pinned: an address the device
+               reaches), given as an address: per entry a record, then its step
 """
 
 import torch
@@ -43,8 +56,10 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels import nvshmem_device as nv
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, signal_put, wait_ge
+from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, RECORD_STEP
 
 BLOCK_B = 32
 BLOCK_D = 128
@@ -52,6 +67,13 @@ NUM_WARPS = 4
 #: Rows of the ``out_free`` and ``ids_free`` tables with ``PUT_PATH``: the addresses
 #: through the peer mapping, the PEs, the symmetric addresses.
 PUT_ROWS = 3
+#: Words of a step's record past its headers: the error record, then the ids step.
+RECORD_WORDS = RECORD_STEP + 1
+_OK = tl.constexpr(Status.OK.value)
+_OUT = tl.constexpr(OUT)
+_HEADER_WORDS = tl.constexpr(HEADER_WORDS)
+_EXPECTED = tl.constexpr(EXPECTED)
+_RECORD_STEP = tl.constexpr(RECORD_STEP)
 
 
 @triton.jit
@@ -80,15 +102,14 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
         "rows",
         "num_owners",
         "num_sources",
-        "target",
-        "out_step",
-        "ids_step",
+        "expect",
         "timeout_ns",
         "at",
+        "ring_addr",
     ]
 )
 def output_take_kernel(
-    slot_ptr,
+    slots_ptr,
     out_ptr,
     counts_ptr,
     owners_ptr,
@@ -97,23 +118,29 @@ def output_take_kernel(
     done_ptr,
     err_ptr,
     record_ptr,
+    clock_ptr,
     batch: tl.int64,
     rows: tl.int64,
     pitch,
     num_owners: tl.int64,
     num_sources: tl.int64,
-    target: tl.int64,
-    out_step: tl.int64,
-    ids_step: tl.int64,
+    expect: tl.int64,
     timeout_ns: tl.int64,
     at: tl.int64,
+    ring_addr: tl.int64,
+    DEPTH: tl.constexpr,
     BLOCKS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RELEASE_IDS: tl.constexpr,
+    RING: tl.constexpr,
     PUT_PATH: tl.constexpr = False,
 ):
     blk = tl.program_id(0)
     c = tl.program_id(1)
+    out_step = tl.load(clock_ptr + _OUT) + 1
+    target = tl.load(clock_ptr + _EXPECTED) + expect
+    slot_ptr = slots_ptr + (out_step % DEPTH) * BLOCKS * rows * pitch
     arrived = num_owners >= 0
     for i in range(num_owners):
         if arrived:
@@ -131,6 +158,10 @@ def output_take_kernel(
     for k in tl.static_range(1, BLOCKS):
         part = tl.load(slot_ptr + k * rows * pitch + at_rc, mask=mask)
         acc = (acc.to(tl.float32) + part.to(tl.float32)).to(acc.dtype)
+    bad = tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") != 0
+    for q in range(num_sources):
+        bad |= tl.load(record_ptr + q * _HEADER_WORDS) != _OK
+    acc = tl.where(bad, float("nan"), acc.to(tl.float32)).to(acc.dtype)
     tl.store(out_ptr + at_rc, acc, mask=mask)
     # Every thread's reads of the slot are done before the tick.
     tl.debug_barrier()
@@ -139,15 +170,22 @@ def output_take_kernel(
         words = tl.arange(0, 4)
         tl.store(record_ptr + at + words, tl.load(err_ptr + words))
         _release(out_free_ptr, num_owners, out_step, PUT_PATH)
-        if ids_step > 0:
-            _release(ids_free_ptr, num_sources, ids_step, PUT_PATH)
+        if RELEASE_IDS:
+            _release(ids_free_ptr, num_sources, tl.load(record_ptr + at + _RECORD_STEP), PUT_PATH)
+        tl.store(clock_ptr + _OUT, out_step)
+        tl.store(clock_ptr + _EXPECTED, target)
+        entry = ring_addr.to(tl.pointer_type(tl.int64), bitcast=True) + (out_step % RING) * (at + 6)
+        for i in range(0, at + 5):
+            tl.store(entry + i, tl.load(record_ptr + i))
+        # The step last, released at system scope: the host reads it first.
+        tl.atomic_xchg(entry + at + 5, out_step, sem="release", scope="sys")
 
 
 _launcher = Launcher(output_take_kernel)
 
 
 def output_take(
-    slot: torch.Tensor,
+    slots: torch.Tensor,
     out: torch.Tensor,
     counts: torch.Tensor,
     owners: torch.Tensor,
@@ -157,18 +195,22 @@ def output_take(
     err: torch.Tensor,
     record: torch.Tensor,
     at: int,
-    target: int,
-    out_step: int,
-    ids_step: int,
+    clock: torch.Tensor,
+    expect: int,
+    release_ids: bool,
+    ring: torch.Tensor,
     timeout_ns: int,
     *,
     put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch, BLOCK_B), cdiv(pitch, BLOCK_D))`` programs, at least one,
-    for ``out``'s ``batch`` rows (see the module docstring). With ``put_path``,
-    ``out_free`` and ``ids_free`` are ``[PUT_ROWS, n]`` tables and free words without a
-    peer mapping are set through NVSHMEM (which must be initialized)."""
-    blocks, rows, pitch = slot.shape
+    for ``out``'s ``batch`` rows, once every owner has stored ``expect`` more programs
+    (see the module docstring). With ``put_path``, ``out_free`` and ``ids_free`` are
+    ``[PUT_ROWS, n]`` tables and free words without a peer mapping are set through
+    NVSHMEM (which must be initialized)."""
+    depth, blocks, rows, pitch = slots.shape
+    if ring.dim() != 2 or ring.size(1) != at + RECORD_WORDS + 1 or ring.dtype != torch.int64:
+        raise ValueError(f"ring: int64 [n, {at + RECORD_WORDS + 1}] expected, got {ring.dtype} {list(ring.shape)}")
     batch = out.size(0)
     grid = (max(cdiv(batch, BLOCK_B), 1), cdiv(pitch, BLOCK_D))
     num_sources = ids_free.size(-1)
@@ -177,7 +219,7 @@ def output_take(
         nv.put_path_options("ids_free", ids_free, (PUT_ROWS, num_sources))
         put = nv.put_path_options("out_free", out_free, (PUT_ROWS, owners.numel()))
     _launcher[grid](
-        slot,
+        slots,
         out,
         counts,
         owners,
@@ -186,19 +228,22 @@ def output_take(
         done,
         err,
         record,
+        clock,
         batch,
         rows,
         pitch,
         owners.numel(),
         num_sources,
-        target,
-        out_step,
-        ids_step,
+        expect,
         timeout_ns,
         at,
+        ring.data_ptr(),
+        DEPTH=depth,
         BLOCKS=blocks,
         BLOCK_B=BLOCK_B,
         BLOCK_D=BLOCK_D,
+        RELEASE_IDS=release_ids,
+        RING=ring.size(0),
         num_warps=NUM_WARPS,
         **put,
     )

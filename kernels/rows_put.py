@@ -22,11 +22,12 @@ Buffers:
                of 4)
     batch:     int64 [S]  batch size of each requester (from its ids header), every
                           ``batch_stride`` words
-    out_addrs: int64 [S]  address of each requester's output slot of this step
-                          (``ALIGN`` bytes aligned), rows of ``pitch`` elements, the
-                          owner's block from column ``col`` (both multiples of 4),
-                          through the peer mapping; with ``PUT_PATH``, int64
-                          [PUT_ROWS, S]: that row (0 where there is no mapping), then
+    out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
+                          output slot (``ALIGN`` bytes aligned), rows of ``pitch``
+                          elements, the owner's block from column ``col`` (both
+                          multiples of 4), through the peer mapping; with
+                          ``PUT_PATH``, int64 [DEPTH, PUT_ROWS, S]: that row (0 where
+                          there is no mapping), then
                           per requester its PE, the symmetric address of its output
                           slot, the symmetric address of its counter word for this
                           owner, and the address of a local symmetric staging buffer
@@ -35,6 +36,8 @@ Buffers:
                           (unused for a requester served by puts)
     free:      int64 [S]  this rank's free signals: free[s] is the last step s released
     err:       int64 [4]  error record (see ``signals.py``)
+    out_step:  int64 [1]  the clock's ``OUT`` word: this step is one more
+                          (``step_clock``; it picks the generation and the wait)
 """
 
 import torch
@@ -52,12 +55,13 @@ NUM_WARPS = 4
 #: addresses through the peer mapping, PEs, symmetric output slots, symmetric counter
 #: words, local staging buffers.
 PUT_ROWS = 5
+_PUT_ROWS = tl.constexpr(PUT_ROWS)
 
 
 # dim, pitch and col are specialized: Triton then knows when they are multiples of 16
 # and moves 4 elements at once.
 @nv.has_put_path
-@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "free_target", "timeout_ns"])
+@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "timeout_ns"])
 def rows_put_kernel(
     src_ptr,
     batch_ptr,
@@ -66,19 +70,26 @@ def rows_put_kernel(
     cnt_addrs_ptr,
     free_ptr,
     err_ptr,
+    out_step_ptr,
     batch_capacity: tl.int64,
     dim,
     pitch,
     col,
-    free_target: tl.int64,
     timeout_ns: tl.int64,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
+    DEPTH: tl.constexpr,
     PUT_PATH: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     blk = tl.program_id(1)
+    out_step = tl.load(out_step_ptr) + 1
+    free_target = out_step - DEPTH
+    if PUT_PATH:
+        out_addrs_ptr += (out_step % DEPTH) * _PUT_ROWS * tl.num_programs(0)
+    else:
+        out_addrs_ptr += (out_step % DEPTH) * tl.num_programs(0)
     batch = tl.load(batch_ptr + s * batch_stride)
     if blk * BLOCK_B < batch:
         ok = True
@@ -130,20 +141,21 @@ def rows_put(
     cnt_addrs: torch.Tensor,
     free: torch.Tensor,
     err: torch.Tensor,
+    clock_out: torch.Tensor,
     batch_capacity: int,
     pitch: int,
     col: int,
-    free_target: int,
     timeout_ns: int,
     *,
     put_path: bool = False,
 ) -> None:
-    """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring).
-    With ``put_path``, ``out_addrs`` is the ``[PUT_ROWS, S]`` table and requesters
-    without a peer mapping are served through NVSHMEM (which must be initialized)."""
-    S, dim = batch.numel(), src.size(1)
+    """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)
+    for the output step after ``clock_out[0]``. With ``put_path``, ``out_addrs`` is the
+    ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer mapping are served
+    through NVSHMEM (which must be initialized)."""
+    depth, S, dim = out_addrs.size(0), batch.numel(), src.size(1)
     grid = (S, cdiv(batch_capacity, BLOCK_B))
-    put = nv.put_path_options("out_addrs", out_addrs, (PUT_ROWS, S)) if put_path else {}
+    put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     _launcher[grid](
         src,
         batch,
@@ -152,15 +164,16 @@ def rows_put(
         cnt_addrs,
         free,
         err,
+        clock_out,
         batch_capacity,
         dim,
         pitch,
         col,
-        free_target,
         timeout_ns,
         BLOCK_B=BLOCK_B,
         BLOCK_D=BLOCK_D,
         ALIGN=4 * src.element_size(),
+        DEPTH=depth,
         num_warps=NUM_WARPS,
         **put,
     )

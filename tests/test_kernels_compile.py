@@ -49,9 +49,10 @@ CASES = {
             "ready_base": "i64",
             "free_ptr": "*i64",
             "err_ptr": "*i64",
+            "step_ptr": "*i64",
             "me": "i32",
-            "step": "i64",
-            "free_target": "i64",
+            "step_add": "i64",
+            "wait_depth": "i64",
             "timeout_ns": "i64",
             "NCHUNK": "constexpr",
             "PROGRAMS": "constexpr",
@@ -70,12 +71,15 @@ CASES = {
             "sig_ptr": "*i64",
             "peers_ptr": "*i32",
             "err_ptr": "*i64",
+            "step_ptr": "*i64",
             "num_peers": "i32",
-            "target": "i64",
+            "step_add": "i64",
+            "per_step": "i64",
             "what": "i32",
             "timeout_ns": "i64",
+            "TICK": "constexpr",
         },
-        [{}],
+        [{"TICK": t} for t in (True, False)],
     ),
     "rows_put": (
         rows_put_kernel,
@@ -87,18 +91,19 @@ CASES = {
             "cnt_addrs_ptr": "*i64",
             "free_ptr": "*i64",
             "err_ptr": "*i64",
+            "out_step_ptr": "*i64",
             "batch_capacity": "i32",
             "dim": "i32",
             "pitch": "i32",
             "col": "i32",
-            "free_target": "i64",
             "timeout_ns": "i64",
             "BLOCK_B": "constexpr",
             "BLOCK_D": "constexpr",
             "ALIGN": "constexpr",
+            "DEPTH": "constexpr",
             "PUT_PATH": "constexpr",
         },
-        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "PUT_PATH": p} for p in (False, True)],
+        [{"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEPTH": 2, "PUT_PATH": p} for p in (False, True)],
     ),
     "grads_put": (
         grads_put_kernel,
@@ -107,27 +112,36 @@ CASES = {
             "dests_ptr": "*i64",
             "free_ptr": "*i64",
             "err_ptr": "*i64",
+            "step_ptr": "*i64",
             "batch": "i64",
             "pitch": "i32",
             "generation_bytes": "i64",
             "scale": "fp32",
-            "free_target": "i64",
+            "step_add": "i64",
             "timeout_ns": "i64",
             "BLOCK_B": "constexpr",
             "BLOCK_D": "constexpr",
             "ALIGN": "constexpr",
             "DEST_WORDS": "constexpr",
+            "DEPTH": "constexpr",
             "PUT_PATH": "constexpr",
         },
         [
-            {"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5, "PUT_PATH": False},
-            {"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": grads_put.PUT_DEST_WORDS, "PUT_PATH": True},
+            {"BLOCK_B": 32, "BLOCK_D": 128, "ALIGN": 16, "DEST_WORDS": 5, "DEPTH": 1, "PUT_PATH": False},
+            {
+                "BLOCK_B": 32,
+                "BLOCK_D": 128,
+                "ALIGN": 16,
+                "DEST_WORDS": grads_put.PUT_DEST_WORDS,
+                "DEPTH": 2,
+                "PUT_PATH": True,
+            },
         ],
     ),
     "output_take": (
         output_take_kernel,
         {
-            "slot_ptr": "*fp32",
+            "slots_ptr": "*fp32",
             "out_ptr": "*fp32",
             "counts_ptr": "*i64",
             "owners_ptr": "*i32",
@@ -136,22 +150,30 @@ CASES = {
             "done_ptr": "*i64",
             "err_ptr": "*i64",
             "record_ptr": "*i64",
+            "clock_ptr": "*i64",
             "batch": "i64",
             "rows": "i64",
             "pitch": "i32",
             "num_owners": "i64",
             "num_sources": "i64",
-            "target": "i64",
-            "out_step": "i64",
-            "ids_step": "i64",
+            "expect": "i64",
             "timeout_ns": "i64",
             "at": "i64",
+            "ring_addr": "i64",
+            "DEPTH": "constexpr",
             "BLOCKS": "constexpr",
             "BLOCK_B": "constexpr",
             "BLOCK_D": "constexpr",
+            "RELEASE_IDS": "constexpr",
+            "RING": "constexpr",
             "PUT_PATH": "constexpr",
         },
-        [{"BLOCKS": b, "BLOCK_B": 32, "BLOCK_D": 128, "PUT_PATH": p} for b in (1, 2) for p in (False, True)],
+        [
+            {"DEPTH": 2, "BLOCKS": b, "BLOCK_B": 32, "BLOCK_D": 128, "RELEASE_IDS": r, "RING": 64, "PUT_PATH": p}
+            for b in (1, 2)
+            for p in (False, True)
+            for r in (False, True)
+        ],
     ),
     "ids_check": (
         ids_check_kernel,
@@ -184,6 +206,7 @@ CASES = {
             "runs_ptr": "*i64",
             "headers_ptr": "*i64",
             "chunks_ptr": "*i64",
+            "step_ptr": "*i64",
             "batch": "i32",
             "n_ids": "i64",
             "num_features": "i32",
@@ -195,7 +218,8 @@ CASES = {
             "host_d2": "i64",
             "batch_capacity": "i32",
             "ids_capacity": "i64",
-            "slot_offset": "i64",
+            "my_slot": "i64",
+            "generation_bytes": "i64",
             "lengths_offset": "i64",
             "ids_offset": "i64",
             "weights_offset": "i64",
@@ -210,32 +234,34 @@ CASES = {
             "NONE": "constexpr",
         },
         [
-            {"W": 3, "BLOCK_W": 4, "R": 1, "WORDS": 8, "NONE": 2**62},
-            {"W": 2, "BLOCK_W": 2, "R": 4, "WORDS": 8, "NONE": 2**62},
+            {"W": 3, "BLOCK_W": 4, "R": 1, "WORDS": 8, "NONE": 2**62, "DEPTH": 2},
+            {"W": 2, "BLOCK_W": 2, "R": 4, "WORDS": 8, "NONE": 2**62, "DEPTH": 2},
         ],
     ),
     "bag_offsets": (
         bag_offsets_kernel,
         {
-            "slots_ptr": "*u8",
+            "ids_ptr": "*u8",
             "offsets_ptr": "*i64",
             "record_ptr": "*i64",
             "ready_ptr": "*i64",
             "err_ptr": "*i64",
             "scan_ptr": "*i64",
+            "step_ptr": "*i64",
             "num_features": "i32",
             "num_sources": "i32",
             "batch_capacity": "i32",
             "slot_bytes": "i64",
             "lengths_offset": "i32",
-            "target": "i64",
+            "per_step": "i64",
             "timeout_ns": "i64",
             "WAIT": "constexpr",
             "WORDS": "constexpr",
             "BLOCK": "constexpr",
             "LOOK": "constexpr",
+            "DEPTH": "constexpr",
         },
-        [{"WAIT": w, "WORDS": 8, "BLOCK": 1024, "LOOK": 256} for w in (True, False)],
+        [{"WAIT": w, "WORDS": 8, "BLOCK": 1024, "LOOK": 256, "DEPTH": 2} for w in (True, False)],
     ),
     "row_buckets": (
         row_buckets_kernel,
@@ -262,7 +288,8 @@ CASES = {
     "gather_ids": (
         gather_ids_kernel,
         {
-            "slots_ptr": "*u8",
+            "ids_ptr": "*u8",
+            "step_ptr": "*i64",
             "offsets_ptr": "*i64",
             "indices_ptr": "*i64",
             "weights_ptr": "*fp32",
@@ -276,14 +303,16 @@ CASES = {
             "SPLIT": "constexpr",
             "BLOCK": "constexpr",
         },
-        [{"HAS_WEIGHTS": True, "SPLIT": 32, "BLOCK": 1024}, {"HAS_WEIGHTS": False, "SPLIT": 32, "BLOCK": 1024}],
+        [{"HAS_WEIGHTS": w, "SPLIT": 32, "BLOCK": 1024, "DEPTH": 2} for w in (True, False)],
     ),
 }
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
     CASES[f"lookup_put_{_table}_to_{_out}"] = (
         lookup_put_kernel,
         {
-            "slots_ptr": "*u8",
+            "mailbox_ptr": "*u8",
+            "ids_step_ptr": "*i64",
+            "out_step_ptr": "*i64",
             "offsets_ptr": "*i64",
             "features_ptr": "*i64",
             "table_ptr": f"*{_table}",
@@ -299,8 +328,8 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
             "weights_offset": "i64",
             "pitch": "i32",
             "done_target": "i64",
-            "free_target": "i64",
             "timeout_ns": "i64",
+            "DEPTH": "constexpr",
             "HAS_WEIGHTS": "constexpr",
             "ROW_ALIGN": "constexpr",
             "OUT_ALIGN": "constexpr",
@@ -313,6 +342,7 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
         },
         [
             {
+                "DEPTH": 2,
                 "HAS_WEIGHTS": w,
                 "ROW_ALIGN": 16,
                 "OUT_ALIGN": 16,
@@ -393,8 +423,10 @@ def test_pooled_rows_move_four_elements_at_once():
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
     # ``output_take``, which copies (sums) the requester's output out of its slot.
     names = list(CASES["output_take"][1])
-    attrs = {(names.index(a),): sixteen for a in ("slot_ptr", "out_ptr", "pitch")}
-    ptx = _ptx("output_take", _variant("output_take", BLOCKS=2, PUT_PATH=False), output_take.NUM_WARPS, attrs)
+    attrs = {(names.index(a),): sixteen for a in ("slots_ptr", "out_ptr", "pitch")}
+    ptx = _ptx(
+        "output_take", _variant("output_take", BLOCKS=2, PUT_PATH=False, RELEASE_IDS=True), output_take.NUM_WARPS, attrs
+    )
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert ptx.count("ld.global.b32") == 1 and "st.global.b32" not in ptx, "one scalar load: an owner's rank"
 
@@ -408,7 +440,7 @@ PUT_PATH_CALLS = {
     "rows_put": ({}, (_PUT, _QUIET, _SIGNAL)),
     "grads_put": ({}, (_PUT, _QUIET, _SIGNAL)),
     "lookup_put_bf16_to_bf16": ({"HAS_WEIGHTS": True}, (_PUT, _QUIET, _SIGNAL)),
-    "output_take": ({"BLOCKS": 2}, (_SIGNAL,)),
+    "output_take": ({"BLOCKS": 2, "RELEASE_IDS": True}, (_SIGNAL,)),
 }
 
 
@@ -442,21 +474,25 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
     import torch
 
     from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
+    from torchrec_pgas.kernels.step_clock import StepRef
 
     i64 = torch.zeros(4, dtype=torch.int64)
     f32 = torch.zeros(8, 4)
     with pytest.raises(ValueError, match=r"(out_addrs|dests|ids_free|out_free): the put path takes a contiguous int64"):
         if launch == "rows_put":
-            rows_put.rows_put(f32, i64, i64, i64, i64, i64, 2, 4, 0, 0, 1, put_path=True)
+            rows_put.rows_put(f32, i64, i64.view(1, 4), i64, i64, i64, i64[:1], 2, 4, 0, 1, put_path=True)
         elif launch == "lookup_put":
             layout = IdsSlotLayout.__new__(IdsSlotLayout)
             lookup_put.lookup_put(
                 i64,
                 i64,
+                0,
+                i64[:1],
+                i64,
                 torch.zeros(1, 4, dtype=torch.int64),
                 f32,
                 f32,
-                i64,
+                i64.view(1, 4),
                 i64,
                 i64,
                 i64,
@@ -464,15 +500,17 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
                 layout,
                 4,
                 False,
-                0,
                 1,
                 put_path=True,
             )
         elif launch == "grads_put":
-            grads_put.grads_put(f32, torch.zeros(2, 5, dtype=torch.int64), i64, i64, 8, 0, 1.0, 0, 1, put_path=True)
+            step = StepRef(i64[:1], 1)
+            grads_put.grads_put(
+                f32, torch.zeros(2, 5, dtype=torch.int64), i64, i64, 8, step, 1, 0, 1.0, 1, put_path=True
+            )
         else:
             output_take.output_take(
-                torch.zeros(1, 8, 4),
+                torch.zeros(2, 1, 8, 4),
                 f32,
                 i64,
                 i64.to(torch.int32),
@@ -482,9 +520,10 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
                 i64,
                 i64,
                 0,
+                i64,
                 1,
-                1,
-                0,
+                False,
+                torch.zeros(2, output_take.RECORD_WORDS + 1, dtype=torch.int64),
                 1,
                 put_path=True,
             )

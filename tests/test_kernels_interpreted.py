@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
+from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, StepRef  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     # The interpreter must be chosen before Triton is first imported: in a process of
@@ -180,6 +181,9 @@ def test_source_slots_match_the_oracle(k, seed, problem):
         values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
+    # The clock's send word (the last step sent), the sending rank, the generations.
+    last, source, depth = rnd.randint(0, 9), rnd.randrange(W), rnd.choice([1, 2, 3])
+    step = torch.tensor([last], dtype=torch.int64)
     runs = k.ids_header.feature_runs(routed, torch.device("cpu"))
     chunks = torch.zeros(W, 3 * runs.size(1) + 1, 3, dtype=torch.int64)
     host_problem = (Status.BAD_DTYPE, (0,)) if problem == "dtype" else None
@@ -204,12 +208,17 @@ def test_source_slots_match_the_oracle(k, seed, problem):
         B,
         host_problem,
         layout,
-        4096,
+        step,
+        source,
+        depth,
     )
     expected = _expected(problem, lengths, values, rows, routed, B, layout, weighted)
     assert headers.tolist() == expected
     assert verdict.tolist() == [k.ids_check.NONE] * 2, "the verdict is left clean for the next batch"
-    slots = _deliver(chunks, 4096 + layout.nbytes)[:, 4096:]
+    assert int(step) == last + 1, "the send takes the next step"
+    # The source's slot of the step's generation, in every owner's ``[depth, W]`` slots.
+    at = ((last + 1) % depth * W + source) * layout.nbytes
+    slots = _deliver(chunks, at + layout.nbytes)[:, at:]
     empty = torch.zeros(0, dtype=torch.int64)
     for w, fs in enumerate(routed):
         slot = slots[w]
@@ -342,7 +351,9 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
         B,
         None,
         layout,
+        torch.zeros(1, dtype=torch.int64),
         0,
+        1,
         checked=(values, offsets),
     )
     # The problem and its detail, as a single owner of the checked batch would report it.
@@ -407,15 +418,22 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed, monkeypatch):
             weights_in_order.append(weights[start : start + n])
     expected_offsets = _offsets(bag_lengths.view(-1))
 
-    record = torch.full((S * HEADER_WORDS + 4,), -5, dtype=torch.int64)
+    at = S * HEADER_WORDS
+    record = torch.full((at + 5,), -5, dtype=torch.int64)
     scan = k.bag_offsets.scan_state(F, S, layout, slots.device)
-    for _ in range(2):  # the scan state is left zeroed for the next launch
-        offsets = k.bag_offsets.bag_offsets(slots, F, layout, record, scan)
+    last = rnd.randint(0, 9)
+    clock_recv = torch.tensor([last], dtype=torch.int64)  # the clock's RECV word
+    for step in (last + 1, last + 2):  # the scan state is left zeroed for the next launch
+        # A mailbox of two generations: the step's holds the slots, the other garbage.
+        mailbox = torch.full((2, slots.numel()), 0xA5, dtype=torch.uint8)
+        mailbox[step % 2] = slots
+        offsets = k.bag_offsets.bag_offsets(mailbox.view(-1), S, F, layout, record, scan, clock_recv)
         assert torch.equal(offsets, expected_offsets)
         assert not scan.any()
+        assert int(clock_recv) == step and int(record[at + 4]) == step, "the receive takes the next step"
     headers = slots.view(S, layout.nbytes)[:, : 8 * HEADER_WORDS].view(torch.int64).reshape(-1)
-    assert torch.equal(record[: S * HEADER_WORDS], headers), "the step's headers, in source order"
-    assert (record[S * HEADER_WORDS :] == -5).all(), "the error record's words are left"
+    assert torch.equal(record[:at], headers), "the step's headers, in source order"
+    assert (record[at : at + 4] == -5).all(), "the error record's words are left"
     ids_all, weights_all = torch.cat(ids_in_order), torch.cat(weights_in_order)
     # One group of every feature, then the features split into two groups.
     first = rnd.randint(0, F)
@@ -423,7 +441,9 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed, monkeypatch):
         begin, end = int(offsets[lo * S * cap]), int(offsets[hi * S * cap])
         indices = torch.full((end - begin + 3,), -7, dtype=torch.int64)
         weights = torch.zeros(end - begin + 3)
-        k.gather_ids.gather_ids(slots, offsets, indices, weights, lo, hi - lo, layout, True)
+        k.gather_ids.gather_ids(
+            mailbox.view(-1), record[at + 4 :], S, offsets, indices, weights, lo, hi - lo, layout, True
+        )
         assert torch.equal(indices[: end - begin], ids_all[begin:end]), (lo, hi)
         assert torch.equal(weights[: end - begin], weights_all[begin:end]), (lo, hi)
         assert (indices[end - begin :] == -7).all(), "nothing past the group's ids is written"
@@ -469,8 +489,18 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     headers = torch.zeros(S, HEADER_WORDS, dtype=torch.int64)
     headers[:, 1] = torch.tensor(batches)
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, dtype, rnd)
-    free, err = torch.zeros(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
-    k.rows_put.rows_put(src, headers[:, 1], out_addrs, cnt_addrs, free, err, cap, pitch, col, 0, 10**9)
+    # Two generations of output slots: the step's (the clock's OUT word plus one), and
+    # decoys that must stay untouched; every requester has released the step before.
+    last = rnd.randint(0, 5)
+    decoys = [torch.full_like(o, -1.0) for o in outs]
+    by_generation = torch.stack([out_addrs, torch.tensor([d.data_ptr() for d in decoys])])
+    if (last + 1) % 2:
+        by_generation = by_generation.flip(0).contiguous()
+    free, err = torch.full((S,), max(last - 1, 0), dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    clock_out = torch.tensor([last], dtype=torch.int64)
+    k.rows_put.rows_put(src, headers[:, 1], by_generation, cnt_addrs, free, err, clock_out, cap, pitch, col, 10**9)
+    assert all((d == -1.0).all() for d in decoys), "only the step's generation is written"
+    assert int(clock_out) == last and not err.any()
     for s, b in enumerate(batches):
         assert torch.equal(outs[s][:b, col : col + dim], src[s * cap : s * cap + b]), s
         _assert_only_block_written(
@@ -506,16 +536,18 @@ def test_gradient_columns_land_in_their_owners_slots_divided_and_are_counted(k, 
         ]
     )
     generation = rnd.randrange(2)
-    released = torch.full((4,), 7, dtype=torch.int64)  # every owner released step 7
+    step = 8 + generation  # of two generations: the owners released step 7 (step - 2 or later)
+    released = torch.full((4,), 7, dtype=torch.int64)
     k.grads_put.grads_put(
         grad,
         dests,
         released,
         torch.zeros(4, dtype=torch.int64),
         cap,
-        generation * per_generation * grad.element_size(),
+        StepRef(torch.tensor([step - 1]), 1),  # as a clock's GRAD word gives it
+        2,
+        per_generation * grad.element_size(),
         float(torch.tensor(1.0) / world),
-        7,
         10**9,
     )
     for p in range(P):
@@ -541,30 +573,44 @@ def _words(n: int):
 @_interpreted
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dtype):
-    """``output_take`` against torch's sum of the owners' blocks in rank order: the
-    output, the slots released to every owner (and source) with the step, the error
-    record copied, and ``done`` left at zero for the next launch."""
+@pytest.mark.parametrize("fault", ["none", "bad_header", "timed_out"])
+def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dtype, fault):
+    """``output_take`` against torch's sum of the owners' blocks in rank order, two steps
+    in a row: the step's generation of the slots taken (the clock's OUT word plus one),
+    the slots released to every owner (and source) with the step, the clock advanced,
+    the error record copied, the record written to the step's ring entry, and ``done``
+    left at zero for the next launch. A step with a bad header or a timed-out wait has
+    NaN outputs."""
     rnd = random.Random(seed)
     # (bf16 sums stay out: the interpreter truncates fp32 to bf16, GPUs round.)
     blocks = 1 if dtype == torch.bfloat16 else [1, 2, 3, 2][seed]
     pitch = 4 * rnd.randint(1, 70)  # past BLOCK_D too
     rows = rnd.choice([1, 40, 70])
     batch = rnd.choice([0, 1, rows // 2, rows])
-    slot = torch.randn(blocks, rows, pitch, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    out = torch.full((batch, pitch), -1.0, dtype=dtype)
+    slots = torch.randn(2, blocks, rows, pitch, generator=torch.Generator().manual_seed(seed)).to(dtype)
     world = 4
     owners = torch.tensor(sorted(rnd.sample(range(world), rnd.randint(1, world))), dtype=torch.int32)
-    counts = torch.full((world,), 9, dtype=torch.int64)  # every owner's rows have arrived
+    counts = torch.full((world,), 12, dtype=torch.int64)  # every owner's rows of both steps have arrived
     out_free, out_addrs = _words(owners.numel())
     ids_free, ids_addrs = _words(world)
-    ids_step = rnd.choice([0, 6])  # 0: the lookup did not pool from the ids slots
-    err = torch.tensor([0, 5, 6, 7], dtype=torch.int64)
-    record = torch.full((11,), -1, dtype=torch.int64)
+    release_ids = rnd.random() < 0.5  # False: the lookup did not pool from the ids slots
+    err = torch.tensor([int(fault == "timed_out"), 5, 6, 7], dtype=torch.int64)
+    at = world * HEADER_WORDS
+    record = torch.full((at + 5,), -1, dtype=torch.int64)
+    record[:at:HEADER_WORDS] = Status.OK.value
+    if fault == "bad_header":
+        record[HEADER_WORDS * rnd.randrange(world)] = Status.ID_OUT_OF_RANGE.value
+    record[at + 4] = 6  # the ids step
+    last = rnd.randint(0, 5)
+    clock = torch.zeros(8, dtype=torch.int64)
+    clock[OUT], clock[EXPECTED] = last, 6
+    ring = torch.zeros(4, at + 6, dtype=torch.int64)
     done = torch.zeros(1, dtype=torch.int64)
-    for _ in range(2):
+    for i in range(2):
+        step = last + 1 + i
+        out = torch.full((batch, pitch), -1.0, dtype=dtype)
         k.output_take.output_take(
-            slot,
+            slots,
             out,
             counts,
             owners,
@@ -573,20 +619,26 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
             done,
             err,
             record,
-            7,
-            9,
-            4,
-            ids_step,
+            at,
+            clock,
+            3,
+            release_ids,
+            ring,
             10**9,
         )
         assert int(done) == 0, "the last program leaves done at zero for the next launch"
-    expected = slot[0, :batch].clone()
-    for b in range(1, blocks):
-        expected = expected + slot[b, :batch]
-    assert torch.equal(out, expected)
-    assert all(int(w) == 4 for w in out_free), "every owner gets its output slot back"
-    assert all(int(w) == ids_step for w in ids_free), "the sources get their ids slots back if the lookup read them"
-    assert record[7:].tolist() == err.tolist() and (record[:7] == -1).all()
+        expected = slots[step % 2, 0, :batch].clone()
+        for b in range(1, blocks):
+            expected = expected + slots[step % 2, b, :batch]
+        if fault == "none":
+            assert torch.equal(out, expected)
+        else:
+            assert out.isnan().all(), "a bad step's output is NaN, never a result"
+        assert all(int(w) == step for w in out_free), "every owner gets its output slot back"
+        assert all(int(w) == (6 if release_ids else 0) for w in ids_free), "and the sources their ids slots"
+        assert clock[OUT] == step and clock[EXPECTED] == 6 + 3 * (i + 1), "the clock advances"
+        assert record[at : at + 4].tolist() == err.tolist()
+        assert ring[step % 4].tolist() == record.tolist() + [step], "the record goes to the step's ring entry"
 
 
 @_interpreted
@@ -616,23 +668,35 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     cols = [first_col + sum(dims[:f]) for f in range(F)]
     pitch = first_col + sum(dims) + 4 * rnd.randint(0, 2)
     features = torch.tensor([[t.data_ptr(), d, c, int(m)] for t, d, c, m in zip(tables, dims, cols, means)])
+    # The ids step 1 (the clock's RECV word was 0) reads generation 1 of the mailbox;
+    # the output step 1 (its OUT word is 0) stores at generation 1's addresses.
+    mailbox = torch.full((2, slots.numel()), 0xA5, dtype=torch.uint8)
+    mailbox[1] = slots
+    record = torch.empty(S * HEADER_WORDS + 5, dtype=torch.int64)
     offsets = k.bag_offsets.bag_offsets(
-        slots,
+        mailbox.view(-1),
+        S,
         F,
         layout,
-        torch.empty(S * HEADER_WORDS + 4, dtype=torch.int64),
+        record,
         k.bag_offsets.scan_state(F, S, layout, slots.device),
+        torch.zeros(1, dtype=torch.int64),
     )
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, out_dtype, rnd)
+    decoys = [torch.full_like(o, -1.0) for o in outs]
+    by_generation = torch.stack([torch.tensor([d.data_ptr() for d in decoys]), out_addrs])
     done = k.lookup_put.done_counters(S, layout, slots.device)
     for _ in range(2):
         k.lookup_put.lookup_put(
-            slots,
+            mailbox.view(-1),
+            record,
+            S * HEADER_WORDS,
+            torch.zeros(1, dtype=torch.int64),
             offsets,
             features,
             tables[0],
             outs[0],
-            out_addrs,
+            by_generation,
             cnt_addrs,
             done,
             torch.zeros(S, dtype=torch.int64),
@@ -640,10 +704,10 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
             layout,
             pitch,
             weighted,
-            0,
             10**9,
         )
         assert not done.any(), "the last program of each block leaves it at zero for the next launch"
+    assert all((d == -1.0).all() for d in decoys), "only the step's generation is written"
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]
         block = slice(first_col, first_col + sum(dims))

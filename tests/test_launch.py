@@ -228,10 +228,13 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
     lookup_put.lookup_put(
         t,
         t,
+        0,
+        t[:1],
+        t,
         torch.zeros(8, 4, dtype=torch.int64),
         torch.zeros(1),
         torch.zeros(1),
-        t[:8],
+        t.view(1, 8),
         t,
         t,
         t,
@@ -239,7 +242,6 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
         layout,
         1024,
         False,
-        0,
         10**9,
     )
     (grid,) = grids

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 
 from torchrec_pgas.kernels import grads_put, output_take, rows_put
+from torchrec_pgas.kernels.output_take import RECORD_WORDS
 from torchrec_pgas.transport import PgasTransportUnavailableError
 from torchrec_pgas.types import PgasOptions
 
@@ -68,10 +69,10 @@ def _fake_nvshmem(rank, unmapped, arrives=True):
     def put_signal(peers, chunks, *args, **kwargs):
         calls.append(("put_signal", peers.tolist()))
 
-    def signal_wait(sig, peers, target, *args):
+    def signal_wait(sig, peers, step, *args, per_step=1, tick=False):
         calls.append(("signal_wait", peers.tolist()))
         if arrives:
-            sig[peers.long()] = target
+            sig[peers.long()] = (int(step.word[0]) + step.add) * per_step
 
     put_signal_module.put_signal = put_signal
     signal_wait_module.signal_wait = signal_wait
@@ -205,7 +206,7 @@ def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
         setattr(tw_device_exchange, name, recorder(name))
     exchange._check = lambda route: None
     batch = 5
-    record = torch.zeros(exchange._err_at + 4, dtype=torch.int64)
+    record = torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64)
     route = DeviceRoute(record=record, my_batch=batch, step=1)
     exchange._my_batches.append(batch)
     exchange.exchange_pooled(torch.zeros(world_size * rows, dims[me]), route)
@@ -218,7 +219,9 @@ def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
         args, kwargs = launched[name]
         assert kwargs == {"put_path": put}, (name, kwargs)
     if dims[me]:
-        assert launched["rows_put"][0][2] is p.out_addrs[1]
+        # Every generation's table: the kernel picks the step's on the device.
+        assert launched["rows_put"][0][2] is exchange._out_addrs
+        assert torch.equal(exchange._out_addrs, torch.stack(p.out_addrs))
     assert launched["output_take"][0][4] is p.out_free_words and launched["output_take"][0][5] is p.ids_free_words
     assert launched["grads_put"][0][1] is p.grad_dests
     exchange.close()

@@ -25,8 +25,9 @@ _OVERWRITTEN = "(its message was overwritten by a later send: see that rank)"
 class DeviceRoute:
     """What the output and gradient exchanges of a step need from its input."""
 
-    # int64 [S * 8 + 4], on the device: every source's header of the step, then the
-    # error record once the step's output has arrived (one read-back for both).
+    # int64 [S * 8 + 5], on the device: every source's header of the step, then the
+    # error record once the step's output has arrived, then the ids step (which the
+    # step's kernels read: ``kernels/step_clock.py``).
     record: torch.Tensor
     my_batch: int  # this rank's batch size as its header reports it
     # The rows were put by ``lookup_put``, pooled straight from the ids slots of this
@@ -39,9 +40,9 @@ class DeviceRoute:
 @dataclass
 class SlotsLookup:
     """What a lookup that pools straight from a step's ids slots reads (inference;
-    ``DeviceTwExchange.lookup_put``). The slots stay held until then."""
+    ``DeviceTwExchange.lookup_put``; the step's record says which slots). The slots
+    stay held until then."""
 
-    slots: torch.Tensor  # uint8 [W * slot bytes]: every source's ids slot of the step
     offsets: torch.Tensor  # int64: the bags' offsets in the slots (``bag_offsets``)
     step: int  # the ids step
     stream: int  # the stream the batch was laid out on (a raw handle)
@@ -226,8 +227,9 @@ class LookupGroups:
         self._bags = [f * world * rows for f in self._first + [len(self._features)]]
         self._bags_dev = torch.tensor(self._bags, dtype=torch.int64, device=device)
 
-    def kjts(self, slots: torch.Tensor, offsets: torch.Tensor) -> List[KeyedJaggedTensor]:
-        """The lookup groups' KJTs of a step, gathered from its slots."""
+    def kjts(self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor) -> List[KeyedJaggedTensor]:
+        """The lookup groups' KJTs of a step, gathered from its slots (in ``ids``, the
+        mailbox, at the generation of the step in ``step``, an int64 word)."""
         layout, world, bags = self._layout, self._world, self._bags
         # FBGEMM's backward sorts the whole index tensor: under autograd it must
         # hold exactly the batch's ids, the one size this rank then reads back.
@@ -241,7 +243,7 @@ class LookupGroups:
             n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
             indices = torch.empty(n, dtype=torch.int64, device=self._dev)
             weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
-            gather_ids(slots, offsets, indices, weights, first, size, layout, self._weighted)
+            gather_ids(ids, step, world, offsets, indices, weights, first, size, layout, self._weighted)
             groups.append(
                 KeyedJaggedTensor(
                     keys=[x.name for x in self._features[first : first + size]],

@@ -55,15 +55,17 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from triton.runtime.driver import driver
 
+from torchrec_pgas.kernels import step_clock
 from torchrec_pgas.kernels.bag_offsets import bag_offsets
 from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import ids_check
 from torchrec_pgas.kernels.ids_header import ids_header
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.lookup_put import lookup_put
-from torchrec_pgas.kernels.output_take import output_take
-from torchrec_pgas.kernels.put_signal import arrived, put_signal
+from torchrec_pgas.kernels.output_take import RECORD_WORDS, output_take
+from torchrec_pgas.kernels.put_signal import put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
+from torchrec_pgas.kernels.step_clock import GRAD, OUT, RECORD_STEP, RECV, SEND, StepRef
 from torchrec_pgas.sharding.device_batch import (
     DeviceRoute,
     LookupBatch,
@@ -74,6 +76,7 @@ from torchrec_pgas.sharding.device_batch import (
 from torchrec_pgas.sharding.device_routing import MAX_RUNS
 from torchrec_pgas.sharding.tw_device_setup import DeviceTwSetup
 from torchrec_pgas.transport import PgasError
+from torchrec_pgas.transport.device_buffers import GRAD_DEPTH
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 
 __all__ = ["MAX_RUNS", "DeviceTwExchange"]
@@ -121,7 +124,9 @@ class DeviceTwExchange(DeviceTwSetup):
             x.batch,
             x.problem,
             layout,
-            buffers.slot_offset(self._me, step),
+            buffers.clock[SEND : SEND + 1],
+            self._me,
+            buffers.depth,
             checked=x.checked[:2],
         )
         if text is not None:
@@ -135,8 +140,8 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.ids_free,
             buffers.err,
             self._me,
-            step,
-            max(step - DEFAULT_DEPTH, 0),
+            step_clock.at(buffers.clock, SEND),
+            buffers.depth,
             self._t.timeout_ns,
         )
         self._my_batches.append(x.batch if x.batch <= layout.batch_capacity else 0)
@@ -152,19 +157,20 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers.release_held()
         self._recv_step = step
         world, cap = self._t.world_size, layout.batch_capacity
-        slots = buffers.slots(step)
-        record = torch.empty(self._err_at + buffers.err.numel(), dtype=torch.int64, device=self._dev)
+        record = torch.empty(self._err_at + RECORD_WORDS, dtype=torch.int64, device=self._dev)
+        ids_step = StepRef(record[self._err_at + RECORD_STEP :])
         features = len(self._features_per_rank[self._me])
         # Receives may come from several streams (pipelines).
         stream = driver.active.get_current_stream(self._dev.index)
         offsets = bag_offsets(
-            slots,
+            buffers.ids,
+            world,
             features,
             layout,
             record,
             self._scratch.scan(stream),
+            buffers.clock[RECV : RECV + 1],
             buffers.ids_ready,
-            arrived(step),
             buffers.err,
             self._t.timeout_ns,
         )
@@ -173,19 +179,18 @@ class DeviceTwExchange(DeviceTwSetup):
         if features:
             if self._fused.enabled and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
-                buffers.hold(step)
-                batch.from_slots = SlotsLookup(slots, offsets, step, stream)
+                buffers.hold(step, ids_step)
+                batch.from_slots = SlotsLookup(offsets, step, stream)
                 return batch
-            batch.groups = self._groups.kjts(slots, offsets)
+            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets)
         # Everything is read (stream ordered): release the slots to their sources.
-        buffers.release(step)
+        buffers.release(ids_step)
         return batch
 
     def _drop_step(self, step: int) -> None:
         buffers = self._buffers
         assert buffers is not None
-        buffers.wait(step)
-        buffers.release(step)
+        buffers.skip()
         self._my_batches.popleft()
 
     # ----------------------------------------------------------------- lookup
@@ -210,19 +215,22 @@ class DeviceTwExchange(DeviceTwSetup):
             # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
             lookup.offsets.record_stream(torch.cuda.current_stream(self._dev))
         tables = None if torch.is_grad_enabled() else self._fused.rows(emb_modules)
+        record = batch.route.record
         if tables is None:
-            batch.groups = self._groups.kjts(lookup.slots, lookup.offsets)
+            batch.groups = self._groups.kjts(buffers.ids, record[self._err_at + RECORD_STEP :], lookup.offsets)
             buffers.release_held()
             return None
         self._out_step += 1
-        out_step = self._out_step
         lookup_put(
-            lookup.slots,
+            buffers.ids,
+            record,
+            self._err_at,
+            buffers.clock[OUT : OUT + 1],
             lookup.offsets,
             tables,
             emb_modules[0].emb_module.weights_dev,
-            buffers.out_views[0],
-            self._peers.out_addrs[out_step % DEFAULT_DEPTH],
+            buffers.out_slots,
+            self._out_addrs,
             self._peers.my_counts,
             self._done,
             buffers.out_free,
@@ -230,7 +238,6 @@ class DeviceTwExchange(DeviceTwSetup):
             layout,
             self._output.dim,
             self._weighted,
-            max(out_step - DEFAULT_DEPTH, 0),
             self._t.timeout_ns,
             put_path=self._peers.put_path,
         )
@@ -246,32 +253,29 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None
         me, out = self._me, self._output
-        if route.ids_step:  # ``lookup_put`` put the rows (and counted the step)
-            step = self._out_step
-        else:
+        if not route.ids_step:  # else ``lookup_put`` put the rows (and counted the step)
             self._out_step += 1
-            step = self._out_step
             if self._dims[me] > 0:
                 rows_put(
                     local_embs.detach().to(self._out_dtype).contiguous(),
                     route.record[1 : self._err_at : HEADER_WORDS],
-                    self._peers.out_addrs[step % DEFAULT_DEPTH],
+                    self._out_addrs,
                     self._peers.my_counts,
                     buffers.out_free,
                     buffers.err,
+                    buffers.clock[OUT : OUT + 1],
                     layout.batch_capacity,
                     out.dim,
                     out.col_offsets[me],
-                    max(step - DEFAULT_DEPTH, 0),
                     self._t.timeout_ns,
                     put_path=self._peers.put_path,
                 )
-        ids_step = buffers.hand_over(route.ids_step)  # 0 if released since
-        self._expected_rows += programs_per_requester(route.my_batch)
+        release_ids = buffers.hand_over(route.ids_step)  # False if released since
+        self._errors.make_room(self._out_step, self._read_record)
         # A copy: the slot is reused two steps on, the output may live longer.
         pooled = torch.empty(route.my_batch, out.dim, dtype=self._out_dtype, device=self._dev)
         output_take(
-            buffers.out_views[step % DEFAULT_DEPTH],
+            buffers.out_slots,
             pooled,
             buffers.out_count.local,
             self._owners,
@@ -281,13 +285,19 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.err,
             route.record,
             self._err_at,
-            self._expected_rows,
-            step,
-            ids_step,
+            buffers.clock,
+            programs_per_requester(route.my_batch),
+            release_ids,
+            self._errors.ring,
             self._t.timeout_ns,
             put_path=self._peers.put_path,
         )
-        self._check(route)
+        if torch.is_grad_enabled():
+            # Before the backward can apply a bad step's gradients (one read-back;
+            # the receive under autograd has read one already).
+            self._check(route)
+        else:
+            self.raise_errors()
         return pooled
 
     # -------------------------------------------------------------- gradients
@@ -301,29 +311,31 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None
         self._grad_step += 1
-        step = self._grad_step
         cap = layout.batch_capacity
-        generation = (step % DEFAULT_DEPTH) * buffers.grad_slot_bytes
+        owner = self._dims[self._me] > 0
+        if owner:
+            # The previous step's slots, before this step's puts (one generation):
+            # FBGEMM's backward read them, and it is ordered before this (the same
+            # stream, or, for a lookup on a stream of its own, through this step's
+            # forward, whose output dist waited for its lookup).
+            buffers.release_grads()
         grads_put(
             grad_out.to(self._out_dtype).contiguous(),
             self._peers.grad_dests,
             buffers.grads_free,
             buffers.err,
             cap,
-            generation,
+            step_clock.at(buffers.clock, GRAD, 1),
+            GRAD_DEPTH,
+            buffers.grad_slot_bytes,
             self._grad_scale if divide else 1.0,
-            max(step - DEFAULT_DEPTH, 0),
             self._t.timeout_ns,
             put_path=self._peers.put_path,
         )
-        if self._dims[self._me] == 0:
+        # Ticks the clock's backward step (an owner of no table expects no rows).
+        buffers.wait_grads(programs_per_source(cap) if owner else 0)
+        if not owner:
             return grad_out.new_zeros(local_embs_shape)
-        if step > 1:
-            # The previous step's slots: FBGEMM's backward read them, and it is ordered
-            # before this (the same stream, or, for a lookup on a stream of its own,
-            # through this step's forward, whose output dist waited for its lookup).
-            buffers.release_grads(step - 1)
-        buffers.wait_grads(step * programs_per_source(cap))
         # A view of the slots, valid until the next backward releases them. Rows past a
         # source's batch belong to empty bags: FBGEMM's backward never reads them.
-        return buffers.grad_views[step % DEFAULT_DEPTH]
+        return buffers.grad_view

@@ -7,13 +7,15 @@ record. The step itself reads in ``tw_device_exchange.py``.
 """
 
 import collections
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
 from torchrec_pgas.kernels.ids_header import feature_runs
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.kernels.lookup_put import done_counters
+from torchrec_pgas.kernels.output_take import RECORD_WORDS
+from torchrec_pgas.kernels.step_clock import RECORD_STEP
 from torchrec_pgas.sharding.device_batch import DeviceRoute, FusedTables, LookupGroups, StreamScratch, failure_texts
 from torchrec_pgas.sharding.device_routing import (
     IdsRouting,
@@ -22,6 +24,7 @@ from torchrec_pgas.sharding.device_routing import (
     TableWiseIds,
     first_batch_sizes,
 )
+from torchrec_pgas.sharding.step_records import StepRecords
 from torchrec_pgas.sharding.tw_base import BaseTwExchange
 from torchrec_pgas.transport.device_buffers import BufferSizes, DeviceBuffers
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
@@ -61,13 +64,13 @@ class DeviceTwSetup(BaseTwExchange):
         self._exact_always = not lookup_reads_only_bags
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
-        self._expected_rows = 0
         self._my_batches: Deque[int] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
         self._text: Optional[torch.Tensor] = None  # the message a failing send puts
         # A step's record (``DeviceRoute.record``): every source's header, then the
-        # error record from this word on.
+        # error record from this word on, then the ids step.
         self._err_at = transport.world_size * HEADER_WORDS
+        self._errors = StepRecords(self._err_at + RECORD_WORDS, self._dev)
 
     def _routable(self, pos: List[int]) -> bool:
         return self._routing.routable(pos)
@@ -87,6 +90,8 @@ class DeviceTwSetup(BaseTwExchange):
         self._buffers = buffers = DeviceBuffers(t, sizes)
         buffers.free_when_collected(self)  # the model may go without closing us
         self._peers = PeerTables(buffers, out, self._owners_with_tables, self._dims, me, self._elem)
+        # Every generation's table: the kernels pick the step's on the device.
+        self._out_addrs = torch.stack(self._peers.out_addrs)
         self._done = done_counters(world, layout, self._dev)
         features = self._features_per_rank[me]
         self._scratch = StreamScratch(self._runs, len(features), layout, world, self._dev)
@@ -102,18 +107,42 @@ class DeviceTwSetup(BaseTwExchange):
         t.barrier()
 
     def _check(self, route: DeviceRoute) -> None:
-        """Raises what the step's headers or the device-side waits report (one sync)."""
-        record = route.record.tolist()
+        """Raises what the step's headers or the device-side waits report, now (one
+        sync; the records of earlier steps are read first, so errors come in order)."""
+        self._errors.check(self._out_step - 1, wait=True, read=self._read_record)
+        self._errors.checked = self._out_step
+        self._read_record(self._out_step, route.record.tolist())
+
+    def _read_record(self, out_step: int, record: List[int]) -> None:
+        """Raises what a step's record reports (``StepRecords.check``'s reader)."""
         n = HEADER_WORDS
         if record[self._err_at]:  # the error record's code word
             self._t.check(self._name)
         headers = [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)]
+        # The ids step, as the host exchange names it: output steps skip dropped ones.
+        step = record[self._err_at + RECORD_STEP]
         texts: Sequence[str] = ()
         if any(h.status == Status.FAILED for h in headers):
             assert self._buffers is not None and self._layout is not None
-            texts = failure_texts(headers, self._buffers.slots(route.step), self._layout)
-        # The ids step, as the host exchange names it: output steps skip dropped ones.
-        self._raise_for_bad_headers(headers, route.step, texts)
+            texts = failure_texts(headers, self._buffers.slots(step), self._layout)
+        self._raise_for_bad_headers(headers, step, texts)
+
+    def raise_errors(self, wait: bool = False) -> None:
+        """See ``Exchange.raise_errors``: reads the records of finished steps."""
+        self._errors.check(self._out_step, wait, self._read_record)
+
+    def step_counters(self) -> Tuple[int, ...]:
+        """See ``Exchange.step_counters``."""
+        return (self._send_step, self._recv_step, self._out_step, self._grad_step)
+
+    def advance(self, delta: Sequence[int]) -> None:
+        """See ``Exchange.advance``: the device keeps the true counts (its clock); the
+        host's follow them, so that later eager steps and the error check agree."""
+        self._send_step += delta[0]
+        self._recv_step += delta[1]
+        self._out_step += delta[2]
+        self._grad_step += delta[3]
+        self._errors.checked = min(self._errors.checked, self._out_step)
 
     def close(self) -> None:
         """Frees the exchange's symmetric memory (collective: every rank closes at the

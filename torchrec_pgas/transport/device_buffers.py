@@ -15,9 +15,11 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from torchrec_pgas.kernels.put_signal import arrived, put_signal
+from torchrec_pgas.kernels import step_clock
+from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER, put_signal
 from torchrec_pgas.kernels.signal_wait import signal_wait
 from torchrec_pgas.kernels.signals import WAIT_DATA
+from torchrec_pgas.kernels.step_clock import GRAD, RECV, StepRef
 from torchrec_pgas.transport.base import PgasError
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
@@ -38,12 +40,16 @@ _FREED = (
     "out_staging",
     "grad_staging",
     "ids_slots",
-    "out_views",
-    "grad_views",
+    "grad_view",
+    "out_slots",
     "all_ranks",
     "_no_chunks",
 )
 
+
+#: Generations of the gradient slots: one, so that FBGEMM's backward, which reads them
+#: in place, reads the same address at every step (a CUDA graph replays its reads).
+GRAD_DEPTH = 1
 
 #: Staging parts start at multiples of this many bytes (the put path's vector copies
 #: need 16).
@@ -86,9 +92,10 @@ class BufferSizes:
 
 
 class DeviceBuffers:
-    """The symmetric tensors of one device exchange, ``depth`` generations of each
-    slot (step ``k`` uses generation ``k % depth``: the protocol of
-    ``transport/mailbox.py``, with every wait and signal on the device). Allocated
+    """The symmetric tensors of one device exchange, ``depth`` generations of each ids
+    and output slot (step ``k`` uses generation ``k % depth``: the protocol of
+    ``transport/mailbox.py``, with every wait and signal on the device) and
+    ``GRAD_DEPTH`` of the gradient slots, and the exchange's step clock. Allocated
     collectively; ``close`` frees them (collective too), and nothing here may be used
     after it.
 
@@ -108,15 +115,18 @@ class DeviceBuffers:
       programs that stored rows for this rank.
     * ``out_free``: int64 ``[W]``: word ``q``, the last step whose output slot
       requester ``q`` gave back to this owner.
-    * ``grads`` (``Symmetric``): uint8 ``[D * W * R * grad_dim * E]``: per generation,
-      the gradient rows of this owner's lookup, ``[W * R, my_grad_dim]`` source-major,
-      stored by the requesters; FBGEMM's backward reads them in place.
+    * ``grads`` (``Symmetric``): uint8 ``[GRAD_DEPTH * W * R * grad_dim * E]``: per
+      generation, the gradient rows of this owner's lookup, ``[W * R, my_grad_dim]``
+      source-major, stored by the requesters; FBGEMM's backward reads them in place
+      (``grad_view``).
     * ``grads_count`` (``Symmetric``): int64 ``[W]``: word ``q`` counts requester
       ``q``'s programs that stored gradient rows here.
     * ``grads_free``: int64 ``[W]``: word ``q``, the last step whose gradient slots
       owner ``q`` gave back to this requester.
     * ``err``: int64 ``[4]`` (code, peer, what, target): the transport's error
       record, which every device-side wait of the transport writes; not freed here.
+    * ``clock``: int64 ``[step_clock.WORDS]``, local: the steps the device has taken,
+      per phase (``kernels/step_clock.py``), which the kernels read and advance.
 
     Peer address tables, for the kernels that store into peers' memory: ``peers`` of
     each ``Symmetric`` (int64 ``[W]`` on the device), and ``out_free_peers`` and
@@ -153,6 +163,7 @@ class DeviceBuffers:
         elem = torch.empty((), dtype=sizes.dtype).element_size()
         self.out_slot_bytes = sizes.out_blocks * sizes.rows * sizes.out_dim * elem
         self.grad_slot_bytes = world * sizes.rows * sizes.grad_dim * elem
+        self.clock = step_clock.clock(self._dev)
         # The allocation order is part of the collective contract: keep it.
         self.ids = t.symmetric_tensor((depth * world * sizes.ids_slot_bytes,), torch.uint8)
         self.ids_ready = t.symmetric_tensor((world,), torch.int64)
@@ -160,7 +171,7 @@ class DeviceBuffers:
         self.out = self._with_peers((depth * self.out_slot_bytes,), torch.uint8)
         self.out_count = self._with_peers((world,), torch.int64)
         self.out_free = t.symmetric_tensor((world,), torch.int64)
-        self.grads = self._with_peers((depth * self.grad_slot_bytes,), torch.uint8)
+        self.grads = self._with_peers((GRAD_DEPTH * self.grad_slot_bytes,), torch.uint8)
         self.grads_count = self._with_peers((world,), torch.int64)
         self.grads_free = t.symmetric_tensor((world,), torch.int64)
         self.out_staging: Optional[torch.Tensor] = None
@@ -175,6 +186,7 @@ class DeviceBuffers:
         self.out_free_peers: List[int] = t.peer_addresses(self.out_free).tolist()
         self.ids_free_peers: List[int] = t.peer_addresses(self.ids_free).tolist()
         self.held: Optional[int] = None
+        self._held_step: Optional[StepRef] = None
         self.all_ranks = torch.arange(world, dtype=torch.int32, device=self._dev)
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
         self._views(sizes, elem)
@@ -187,21 +199,13 @@ class DeviceBuffers:
         return Symmetric(local, self._t.peer_addresses(local))
 
     def _views(self, sizes: BufferSizes, elem: int) -> None:
-        """Per generation: every source's ids slots (uint8), the output
-        ``[out_blocks, R, out_dim]`` and the gradient ``[W * R, my_grad_dim]``."""
+        """Per generation, every source's ids slots (uint8); the output slots
+        ``[D, out_blocks, R, out_dim]``; the gradient ``[W * R, my_grad_dim]``."""
         world, rows, depth = self._t.world_size, sizes.rows, self.depth
         self.ids_slots = [self.ids[self.slot_offset(0, g) : self.slot_offset(world, g)] for g in range(depth)]
-        self.out_views = [
-            self.out.local[g * self.out_slot_bytes : (g + 1) * self.out_slot_bytes]
-            .view(sizes.dtype)
-            .view(sizes.out_blocks, rows, sizes.out_dim)
-            for g in range(depth)
-        ]
-        mine, g_bytes = world * rows * sizes.my_grad_dim * elem, self.grad_slot_bytes
-        self.grad_views = [
-            self.grads.local[g * g_bytes : g * g_bytes + mine].view(sizes.dtype).view(world * rows, sizes.my_grad_dim)
-            for g in range(depth)
-        ]
+        self.out_slots = self.out.local.view(sizes.dtype).view(depth, sizes.out_blocks, rows, sizes.out_dim)
+        mine = world * rows * sizes.my_grad_dim * elem
+        self.grad_view = self.grads.local[:mine].view(sizes.dtype).view(world * rows, sizes.my_grad_dim)
 
     def slot_offset(self, source: int, step: int) -> int:
         """Byte offset of ``source``'s ids slot for ``step`` in every rank's ``ids``
@@ -215,41 +219,67 @@ class DeviceBuffers:
 
     # ------------------------------------------------ waits and releases (device)
 
-    def wait(self, step: int) -> None:
-        """Enqueues a wait until every source's ids of ``step`` are in (as ``Mailbox.wait``)."""
-        signal_wait(self.ids_ready, self.all_ranks, arrived(step), self.err, _WAIT_DATA, self._t.timeout_ns)
+    def skip(self) -> None:
+        """Enqueues the receive of the next ids step that nobody will look up: a wait
+        until every source's ids are in (as ``Mailbox.wait``), the clock's tick and the
+        slots' release."""
+        step = step_clock.at(self.clock, RECV, 1)
+        signal_wait(
+            self.ids_ready,
+            self.all_ranks,
+            step,
+            self.err,
+            _WAIT_DATA,
+            self._t.timeout_ns,
+            per_step=PROGRAMS_PER_PEER,
+            tick=True,
+        )
+        self.release(step_clock.at(self.clock, RECV))
 
-    def release(self, step: int) -> None:
+    def release(self, step: StepRef) -> None:
         """Gives every source its ids slot of ``step`` back (as ``Mailbox.release``)."""
         self._signal(self.ids_free, step)
 
-    def hold(self, step: int) -> None:
-        """Keeps the ids slots of ``step`` after its receive, for the lookup."""
-        self.held = step
+    def hold(self, step: int, ref: StepRef) -> None:
+        """Keeps the ids slots of ``step`` (which ``ref`` holds on the device) after its
+        receive, for the lookup."""
+        self.held, self._held_step = step, ref
 
     def release_held(self) -> None:
         """Releases the held ids slots (their lookup, or their output, will not come)."""
-        if self.held is not None:
-            self.release(self.held)
-            self.held = None
+        if self._held_step is not None:
+            self.release(self._held_step)
+        self.held = self._held_step = None
 
-    def hand_over(self, step: int) -> int:
-        """``step`` if its ids slots are still held, which the caller's kernel then
-        releases (the hold ends); 0 otherwise."""
+    def hand_over(self, step: int) -> bool:
+        """Whether the ids slots of ``step`` are still held, which the caller's kernel
+        then releases (the hold ends)."""
         if step and step == self.held:
-            self.held = None
-            return step
-        return 0
+            self.held = self._held_step = None
+            return True
+        return False
 
-    def wait_grads(self, target: int) -> None:
-        """Enqueues a wait until every source has stored ``target`` gradient programs."""
-        signal_wait(self.grads_count.local, self.all_ranks, target, self.err, _WAIT_DATA, self._t.timeout_ns)
+    def wait_grads(self, per_step: int) -> None:
+        """Enqueues a wait until every source has stored ``per_step`` gradient programs
+        for the next backward step, and the clock's tick of that step."""
+        step = step_clock.at(self.clock, GRAD, 1)
+        signal_wait(
+            self.grads_count.local,
+            self.all_ranks,
+            step,
+            self.err,
+            _WAIT_DATA,
+            self._t.timeout_ns,
+            per_step=per_step,
+            tick=True,
+        )
 
-    def release_grads(self, step: int) -> None:
-        """Gives every requester this owner's gradient slots of ``step`` back."""
-        self._signal(self.grads_free, step)
+    def release_grads(self) -> None:
+        """Gives every requester this owner's gradient slots of the last backward step
+        back (ordered after the reads of that step's backward)."""
+        self._signal(self.grads_free, step_clock.at(self.clock, GRAD))
 
-    def _signal(self, sig: torch.Tensor, step: int) -> None:
+    def _signal(self, sig: torch.Tensor, step: StepRef) -> None:
         """Sets word ``me`` of ``sig`` at every rank to ``step`` (a put_signal with no
         data: its destination buffer is never written)."""
         put_signal(self.all_ranks, self._no_chunks, self.ids, sig, sig, self.err, self._me, step, 0, self._t.timeout_ns)

@@ -1,0 +1,61 @@
+"""How the host learns what a GPU step reported without waiting for the device.
+
+A step's ``output_take`` copies the step's record (every source's slot header, the
+transport's error record, the ids step) into an entry of a ring in pinned host
+memory, its output step last. The host reads the entries of the steps that have
+finished whenever it runs (at the next forward, or when asked), so a forward never
+waits for the device; a replayed CUDA graph writes its entries the same way. A step
+that reported a problem has NaN outputs meanwhile (``output_take``), never a result
+that passes for one.
+"""
+
+from typing import Callable, List
+
+import torch
+
+from torchrec_pgas.transport import PgasError
+
+#: Steps the host may run ahead of the device before it waits for the oldest one's
+#: record (whose entry the next step would overwrite).
+RING_ENTRIES = 64
+
+
+class StepRecords:
+    """The ring of step records of one exchange, and which output steps the host has
+    read (``checked``). ``record_words``: the words of a step's record."""
+
+    def __init__(self, record_words: int, device: torch.device, entries: int = RING_ENTRIES) -> None:
+        self._words, self._dev = record_words, device
+        # int64 [entries, record_words + 1]: per entry a record, then its output step.
+        pinned = device.type == "cuda"
+        self.ring = torch.zeros(entries, record_words + 1, dtype=torch.int64, pin_memory=pinned)
+        self.checked = 0
+
+    def make_room(self, step: int, read: Callable[[int, List[int]], None]) -> None:
+        """Before output step ``step`` is enqueued: reads (waiting for it) the record of
+        the step whose entry it reuses, if it is still unread."""
+        entries = self.ring.size(0)
+        if step - entries > self.checked:
+            self.check(step - entries, wait=True, read=read)
+
+    def check(self, upto: int, wait: bool, read: Callable[[int, List[int]], None]) -> None:
+        """Gives ``read(step, record)`` the records of output steps ``checked + 1 ...
+        upto`` in order, as far as the device has written them (with ``wait``, all of
+        them, after waiting for the device). ``read`` may raise: the step counts as
+        read then."""
+        while self.checked < upto:
+            step = self.checked + 1
+            entry = self.ring[step % self.ring.size(0)]
+            if int(entry[-1]) != step:
+                if not wait:
+                    return
+                torch.cuda.synchronize(self._dev)
+                if int(entry[-1]) != step:
+                    raise PgasError(
+                        f"the record of output step {step} never came from the device (a captured "
+                        f"step that was not replayed, or a replay the exchange was not told of)"
+                    )
+            record = entry[: self._words].tolist()
+            # Read before the device may reuse the entry.
+            self.checked = step
+            read(step, record)
