@@ -11,6 +11,8 @@ Skipped without a GPU and nvshmem4py. On the GPU machine:
     python3 -m pytest -q tests/test_gpu_graphs.py
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ from torchrec_pgas.graphs import capture, raise_errors  # noqa: E402
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
-from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
+from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict  # noqa: E402
 from torchrec_pgas.types import PgasOptions  # noqa: E402
 
 GPU = torch.device("cuda", 0)
@@ -144,7 +146,8 @@ DENSE_IN = 5
 
 
 def _dlrm(rank, world_size, layout):
-    """TorchRec's DLRM, tables sharded by ``layout``, dense layers on the GPU."""
+    """TorchRec's DLRM with its tables sharded by ``layout`` and dense layers on the GPU,
+    and the same DLRM unsharded on the CPU (same weights)."""
     torch.cuda.set_device(GPU)
     torch.manual_seed(3)
     tables = [
@@ -158,6 +161,7 @@ def _dlrm(rank, world_size, layout):
         over_arch_layer_sizes=[16, 1],
         dense_device=GPU,
     )
+    unsharded = copy.deepcopy(dlrm).to(CPU)
     sharder = PgasEmbeddingBagCollectionSharder(options=_options(world_size))
     plan = construct_module_sharding_plan(
         dlrm.sparse_arch.embedding_bag_collection,
@@ -175,34 +179,39 @@ def _dlrm(rank, world_size, layout):
         sharders=[sharder],
         init_data_parallel=False,
     )
-    return tables, model.eval()
+    ebc = unsharded.sparse_arch.embedding_bag_collection
+    load_unsharded_state_dict(model, ebc.state_dict(), prefix="sparse_arch.embedding_bag_collection.")
+    return tables, model.eval(), unsharded.eval()
 
 
 def _dlrm_forward(rank, world_size):
     for layout in ("tw", "rw"):
-        tables, model = _dlrm(rank, world_size, layout)
+        tables, model, unsharded = _dlrm(rank, world_size, layout)
         batch_size = 14 + 9 * rank
         g = torch.Generator().manual_seed(rank)
         batches = [
             (
                 torch.randn(batch_size, DENSE_IN, generator=g).to(GPU),
-                fixed_size_kjt(tables, batch_size, 40 + 10 * i + rank).to(GPU),
+                fixed_size_kjt(tables, batch_size, 40 + 10 * i + rank),
             )
             for i in range(5)
         ]
         with torch.no_grad():
-            step = capture(lambda dense, kjt: model(dense, kjt), *batches[0], model=model)
+            dense, kjt = batches[0]
+            step = capture(lambda dense, kjt: model(dense, kjt), dense, kjt.to(GPU), model=model)
             for dense, kjt in batches[1:]:
-                graphed = step(dense, kjt).clone()
-                eager = model(dense, kjt)
+                graphed = step(dense, kjt.to(GPU)).clone()
+                eager = model(dense, kjt.to(GPU))
                 assert graphed.shape == (batch_size, 1)
                 assert torch.equal(graphed, eager), layout
+                expected = unsharded(dense.cpu(), kjt)
+                torch.testing.assert_close(graphed.cpu(), expected, rtol=1e-5, atol=1e-5, msg=layout)
         raise_errors(model, wait=True)
     dist.barrier()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_captured_dlrm_forward_matches_eager(world_size):
+def test_captured_dlrm_forward_matches_eager_and_unsharded(world_size):
     run_ranks(_dlrm_forward, world_size, deadline_s=DEADLINE_S)
 
 
