@@ -23,7 +23,8 @@ Usage, inference (``model`` a ``DistributedModelParallel`` with PGAS shardings):
 A DLRM step with dense inputs: ``capture(lambda d, k: model(d, k), dense, kjt, model=model)``.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.exchange import Exchange
+from torchrec_pgas.sharding.step_records import RING_ENTRIES
 
 __all__ = ["CapturedStep", "capture", "pgas_exchanges", "raise_errors"]
 
@@ -246,7 +248,9 @@ class CapturedStep:
     advances every exchange's host counters by the captured steps and raises the errors
     of the steps that have finished on the device (not waiting): usually earlier steps'.
     It returns the graph's static outputs, the same tensors every call: the next call
-    overwrites them, so clone what you keep.
+    overwrites them, so clone what you keep. The host runs at most a few dozen replays
+    ahead of the device (the exchanges keep the records of their last 64 steps for the
+    host to read): a call past that waits for the oldest replay to finish.
 
     Arguments of other sizes raise ``ValueError`` on their rank. Its peers are then
     already replaying, waiting for this rank's ids: the step is replayed anyway, with a
@@ -268,6 +272,12 @@ class CapturedStep:
         self._outputs = outputs
         self._exchanges = exchanges
         self._steps = steps
+        # The GPU exchanges keep the records of their last RING_ENTRIES steps for the
+        # host to read, and a replay writes them without the host running the
+        # exchange: the host stays within half of that of the device.
+        per_replay = max((abs(n) for counts in steps for n in counts), default=1)
+        self._max_ahead = max(1, RING_ENTRIES // (2 * max(per_replay, 1)))
+        self._in_flight: Deque[torch.cuda.Event] = deque()  # the replays' ends
 
     def __call__(self, *args: Any) -> Any:
         if len(args) != len(self._inputs):
@@ -286,7 +296,12 @@ class CapturedStep:
         return self._outputs
 
     def _replay(self) -> None:
+        if len(self._in_flight) >= self._max_ahead:
+            self._in_flight.popleft().synchronize()
         self._graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        self._in_flight.append(done)
         for exchange, steps in zip(self._exchanges, self._steps):
             exchange.advance(steps)
 
