@@ -174,7 +174,13 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.err,
             self._t.timeout_ns,
         )
-        route = DeviceRoute(record=record, my_batch=self._my_batches.popleft(), step=step, divisor=divisor)
+        route = DeviceRoute(
+            record=record,
+            my_batch=self._my_batches.popleft(),
+            step=step,
+            divisor=divisor,
+            check_now=torch.is_grad_enabled(),
+        )
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
             if self._fused.enabled and not torch.is_grad_enabled():
@@ -292,7 +298,7 @@ class DeviceTwExchange(DeviceTwSetup):
             self._t.timeout_ns,
             put_path=self._peers.put_path,
         )
-        if torch.is_grad_enabled():
+        if route.check_now:
             # Before the backward can apply a bad step's gradients (one read-back;
             # the receive under autograd has read one already).
             self._check(route)
