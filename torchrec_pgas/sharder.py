@@ -39,8 +39,9 @@ from torchrec_pgas.sharding.batch_checks import (
     raise_on_every_rank,
     send_problem,
 )
+from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
-from torchrec_pgas.sharding.tw_base import PgasInputError, with_float32_weights
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, TwFeature, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
@@ -57,7 +58,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
         self._refuse_mean_across_row_wise_kinds()
-        # Whether batches go to the one PGAS sharding as they are (decided on the first).
+        # Whether batches go to every sharding (all PGAS ones) as they are (decided on
+        # the first).
         self._pgas_direct: Optional[bool] = None
         # The features of the first batch TorchRec's input dist took, in its order.
         self._batch_keys: Optional[List[str]] = None
@@ -110,17 +112,25 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
 
     def forward(self, *input: Any, **kwargs: Any) -> LazyAwaitable[KeyedTensor]:
-        """TorchRec's forward. A module whose batches go straight to its one PGAS
-        sharding takes the same steps (send, receive, lookup, output) without TorchRec's
-        context and chain of awaitables: their host time is a large share of a step
-        whose time is the host's."""
+        """TorchRec's forward. A module whose batches go straight to its PGAS
+        shardings takes the same steps (send to every sharding, receive from every
+        one, then each one's lookup and output) without TorchRec's context and chain
+        of awaitables: their host time is a large share of a step whose time is the
+        host's."""
         if len(input) == 1 and not kwargs and self._steps_directly(input[0]):
-            lookup = self._lookups[0]
-            embs = lookup(self._input_dists[0].send_and_receive(input[0]))
-            lookup.wait_for_forward()
-            # TorchRec's own output type: callers test for it, and index it lazily.
+            exchanges = self._pgas_exchanges
+            with torch.no_grad():  # as TorchRec's input dists run
+                steps = [send_ids(x, input[0]) for x in exchanges]
+            batches = [x.recv_ids(step) for x, step in zip(exchanges, steps)]
+            pooled = []
+            for lookup, output_dist, batch in zip(self._lookups, self._output_dists, batches):
+                embs = lookup(batch)
+                lookup.wait_for_forward()
+                pooled.append(NoWait(output_dist.pooled(embs)))
+            # TorchRec's own output type (callers test for it, and index it lazily),
+            # over the shardings' outputs in their order, as TorchRec's path gives.
             return EmbeddingBagCollectionAwaitable(
-                awaitables=[NoWait(self._output_dists[0].pooled(embs))],
+                awaitables=pooled,
                 embedding_dims=self._embedding_dims,
                 embedding_names=self._embedding_names,
                 module_fqn=self._module_fqn,
@@ -128,21 +138,29 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
         return super().forward(*input, **kwargs)
 
+    @property
+    def _pgas_exchanges(self) -> List[BaseTwExchange]:
+        """Every sharding's exchange, in sharding order (all PGAS shardings: the
+        direct path only)."""
+        exchanges = [s.exchange for s in self._embedding_shardings if isinstance(s, PgasShardingMixin)]
+        assert len(exchanges) == len(self._embedding_shardings) and all(x is not None for x in exchanges)
+        return exchanges  # type: ignore[return-value]
+
     def _steps_directly(self, features: Any) -> bool:
         """Whether ``forward`` may skip TorchRec's steps for this batch: batches go to
-        the sharding as they are (decided on the first), and nothing TorchRec's
+        the shardings as they are (decided on the first), and nothing TorchRec's
         steps would add is in use (hooks on the input and output dists, which the
         direct steps do not call as modules; trackers, weight stashing, resharding
-        awaitables; variable batch sizes, which the exchange refuses)."""
+        awaitables; variable batch sizes, which the exchanges refuse)."""
         if self._pgas_direct is not True or not isinstance(features, KeyedJaggedTensor):
             return False
         return (
-            not any(d._forward_hooks or d._forward_pre_hooks for d in (self._input_dists[0], self._output_dists[0]))
+            not any(d._forward_hooks or d._forward_pre_hooks for d in [*self._input_dists, *self._output_dists])
             and not features.variable_stride_per_key()
             and getattr(self, "post_lookup_tracker_fn", None) is None
             and getattr(self, "post_odist_tracker_fn", None) is None
             and not MemoryStashingManager.is_enabled()
-            and not self._lookups[0].reshards()
+            and not any(lookup.reshards() for lookup in self._lookups)
         )
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[Any]]:
@@ -196,40 +214,52 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _direct_input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[Any]]:
-        """The input dist of a module whose tables are all in one PGAS sharding: the
-        batch goes to it as it is, and its exchange routes each feature to its owner
-        (and checks the batch). TorchRec's would permute the batch into the sharding's
-        feature order and split it, which reads every feature's length back to the host."""
-        # A batch with a variable batch per feature goes too: the exchange refuses it.
+        """The input dist of a module whose tables are all in PGAS shardings: the whole
+        batch goes to every sharding as it is, and each one's exchange picks its own
+        features, routes each to its owner (and checks the batch). TorchRec's would
+        permute the batch into the shardings' feature order and split it, which reads
+        every feature's length back to the host. Every sharding's step is sent before
+        any is received: a rank then raises where its peers do, at the first sharding
+        whose step reports a problem, and the later shardings' steps are dropped alike
+        on every rank at their next receive."""
+        # A batch with a variable batch per feature goes too: the exchanges refuse it.
         ctx.variable_batch_per_feature = features.variable_stride_per_key()
         ctx.inverse_indices = features.inverse_indices_or_none()
+        batch_size_per_key = dict(zip(features.keys(), features.stride_per_key()))
+        awaitables = []
         with torch.no_grad():
-            awaitable = self._input_dists[0](features)
-        ctx.sharding_contexts.append(
-            EmbeddingShardingContext(
-                batch_size_per_feature_pre_a2a=features.stride_per_key(),
-                variable_batch_per_feature=ctx.variable_batch_per_feature,
-            )
-        )
-        return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
+            for sharding, input_dist in zip(self._embedding_shardings, self._input_dists):
+                awaitables.append(input_dist(features))
+                ctx.sharding_contexts.append(
+                    EmbeddingShardingContext(
+                        batch_size_per_feature_pre_a2a=[batch_size_per_key.get(f, 0) for f in sharding.feature_names()],
+                        variable_batch_per_feature=ctx.variable_batch_per_feature,
+                    )
+                )
+        return KJTListSplitsAwaitable(awaitables, ctx, self._module_fqn, self._sharding_types)
 
     def _adopt_input_order(self, features: Any) -> bool:
-        """On the first batch, collectively: whether batches go to the sharding directly
-        from now on, in this batch's feature order. Only if every rank can and has the
-        same order: a problem's detail names a feature by its position, which every
-        rank must read alike. If so, sets the input dists up as TorchRec does. Raises
-        on every rank if some rank's batch fails TorchRec's validation (the next batch
-        decides again)."""
+        """On the first batch, collectively: whether batches go to the shardings
+        directly from now on, in this batch's feature order: if every sharding is a
+        PGAS one, the batch has exactly the module's features, and every sharding's
+        exchange can route their order. Only if every rank has the same order: a
+        problem's detail names a feature by its position, which every rank must read
+        alike. If so, sets the input dists up as TorchRec does. Raises on every rank
+        if some rank's batch fails TorchRec's validation (the next batch decides
+        again)."""
         shardings = self._embedding_shardings
-        if len(shardings) != 1 or not isinstance(shardings[0], PgasShardingMixin) or self._has_mean_pooling_callback:
+        if not all(isinstance(s, PgasShardingMixin) for s in shardings) or self._has_mean_pooling_callback:
             return False  # the plan's, the same on every rank
         eligible = isinstance(features, KeyedJaggedTensor) and not features.variable_stride_per_key()
         keys = list(features.keys()) if eligible else None
         # TorchRec validates a model's first batch, raising on the rank that sent a bad
         # one: here every rank learns of it (a problem the exchange reports itself, such
-        # as lengths that disagree with the values, is left to the exchange).
+        # as lengths that disagree with the values, is left to the exchange). Keys
+        # named twice are said as TorchRec's path says them, naming the keys.
         invalid = None
-        if eligible and self._has_uninitialized_input_dist and input_problem(features) is None:
+        if keys is not None and len(set(keys)) != len(keys):
+            invalid = f"features {keys} name a feature twice"
+        elif eligible and self._has_uninitialized_input_dist and input_problem(features) is None:
             try:
                 validate_keyed_jagged_tensor(features, self._embedding_bag_configs)
             except ValueError as e:
@@ -242,10 +272,27 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             raise PgasInputError("; ".join(errors))
         if keys is None or any(k != keys for k, _ in everyone):
             return False
+        exchanges = self._pgas_exchanges
+        if set(keys) != set(self._sharding_feature_names()) or not all(x.takes_input_order(keys) for x in exchanges):
+            return False
         if self._has_uninitialized_input_dist:
             self._create_input_dist(keys)
             self._has_uninitialized_input_dist = False
-        return shardings[0].adopt_input_order(keys)
+        rows = self._feature_rows()
+        for x in exchanges:
+            adopted = x.adopt_input_order(keys, rows)
+            assert adopted, "an exchange refused the input order it said it takes"
+        return True
+
+    def _feature_rows(self) -> List[TwFeature]:
+        """Every feature of the module with the rows its ids index: those of its table
+        with the fewest, where several pool it."""
+        rows: Dict[str, TwFeature] = {}
+        for config in self._embedding_bag_configs:
+            for f in config.feature_names:
+                if f not in rows or config.num_embeddings < rows[f].num_embeddings:
+                    rows[f] = TwFeature(f, config.name, config.num_embeddings)
+        return list(rows.values())
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.grads_put import PUT_DEST_WORDS
 from torchrec_pgas.kernels.ids_header import runs_of
 from torchrec_pgas.kernels.row_buckets import row_buckets
+from torchrec_pgas.sharding.tw_base import InputRouting
 from torchrec_pgas.transport.device_buffers import DeviceBuffers
 
 Routed = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
@@ -31,8 +32,9 @@ def per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
     return [list(pos[s : s + c]) for s, c in zip(starts, counts)]
 
 
-class IdsRouting(Protocol):
-    """Which owner gets which of a batch's ids (``TableWiseIds``, ``RowBlockIds``)."""
+class IdsRouting(InputRouting, Protocol):
+    """Which owner gets which of a batch's ids (``TableWiseIds``, ``RowBlockIds``),
+    and which batches it can route (``InputRouting``)."""
 
     def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
         """The batch's ``values, offsets, lengths, weights`` with each owner's part
@@ -45,10 +47,6 @@ class IdsRouting(Protocol):
         """Where owner ``owner``'s features, in its lookup's order, are in the routed
         batch (``input_pos``: where each of the sharding's input features is in the
         batches given, see ``adopt_input_order``)."""
-
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Whether batches whose sharding features are at ``input_pos`` can be routed
-        (``adopt_input_order``)."""
 
 
 class TableWiseIds:
@@ -73,8 +71,9 @@ class TableWiseIds:
         the routed batch."""
         return per_owner(self._counts, input_pos)[owner]
 
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Any order whose parts per owner take at most ``MAX_RUNS`` runs."""
+    def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
+        """Any batch whose parts per owner take at most ``MAX_RUNS`` runs (other
+        features of the batch are in no owner's part)."""
         return all(len(runs_of(part)) <= MAX_RUNS for part in per_owner(self._counts, input_pos))
 
 
@@ -107,10 +106,10 @@ class RowBlockIds:
     def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
         return list(range(owner * self._features, (owner + 1) * self._features))
 
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Only the sharding's own order: the row blocks and the mean divisor are built
-        per feature in that order."""
-        return list(input_pos) == list(range(len(input_pos)))
+    def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
+        """Only the sharding's own features, in its order: the row blocks and the mean
+        divisor are built per feature in that order."""
+        return num_keys in (None, len(input_pos)) and list(input_pos) == list(range(len(input_pos)))
 
 
 @dataclass(frozen=True)

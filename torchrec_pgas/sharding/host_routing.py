@@ -10,36 +10,34 @@ import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import with_float32_weights
+from torchrec_pgas.sharding.tw_base import InputRouting, with_float32_weights
 from torchrec_pgas.transport import Mailbox, SymmetricBuffer, Transport
 
 # ---------------------------------------------------------------- ids routing
 
 
-class HostIdsRouting(Protocol):
+class HostIdsRouting(InputRouting, Protocol):
     """Which owner gets which of a batch's ids (``TableWiseHostIds``,
-    ``RowBlockHostIds``)."""
+    ``RowBlockHostIds``), and which batches it can route (``InputRouting``)."""
 
     def by_owner(self, kjt: KeyedJaggedTensor, input_pos: Optional[Sequence[int]]) -> KeyedJaggedTensor:
-        """``kjt`` with each owner's features contiguous, owner by owner, in the order
-        its lookup takes them (``input_pos``: where each of the sharding's input
-        features is in ``kjt``, see ``adopt_input_order``; None: in order)."""
-
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Whether batches whose sharding features are at ``input_pos`` can be routed
-        (``adopt_input_order``)."""
+        """``kjt``'s features of the sharding, each owner's contiguous, owner by owner,
+        in the order its lookup takes them (``input_pos``: where each of the
+        sharding's input features is in ``kjt``, which may hold other shardings'
+        features too, see ``adopt_input_order``; None: ``kjt`` is the sharding's
+        features in order)."""
 
 
 class TableWiseHostIds:
     """Table-wise routing: TorchRec orders the sharding's features by owner, so a
-    batch in that order is routed as it is, and one in another order is permuted into
-    it."""
+    batch in that order is routed as it is, and any other batch is permuted into it
+    (which also leaves out other shardings' features)."""
 
     def by_owner(self, kjt: KeyedJaggedTensor, input_pos: Optional[Sequence[int]]) -> KeyedJaggedTensor:
         return kjt if input_pos is None else with_float32_weights(kjt).permute(list(input_pos))
 
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Any order: a permute routes it."""
+    def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
+        """Any batch: a permute routes it."""
         return True
 
 
@@ -54,15 +52,17 @@ class RowBlockHostIds:
         self._world = world_size
 
     def by_owner(self, kjt: KeyedJaggedTensor, input_pos: Optional[Sequence[int]]) -> KeyedJaggedTensor:
-        bucketized, _ = bucketize_kjt_before_all2all(
-            with_float32_weights(kjt), num_buckets=self._world, block_sizes=self._block_sizes
-        )
+        """Any other batch than the sharding's own features in order is permuted into
+        that first: the row blocks are per feature in that order."""
+        kjt = with_float32_weights(kjt)
+        if input_pos is not None:
+            kjt = kjt.permute(list(input_pos))
+        bucketized, _ = bucketize_kjt_before_all2all(kjt, num_buckets=self._world, block_sizes=self._block_sizes)
         return bucketized
 
-    def routable(self, input_pos: Sequence[int]) -> bool:
-        """Only the sharding's own order: the row blocks and the mean divisor are built
-        per feature in that order."""
-        return list(input_pos) == list(range(len(input_pos)))
+    def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
+        """Any batch: a permute puts it in the sharding's order."""
+        return True
 
 
 # ------------------------------------------------------------------- output

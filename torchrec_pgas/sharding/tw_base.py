@@ -1,7 +1,7 @@
 """What every table-wise exchange knows from the plan, whatever moves its data."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,15 @@ class TwFeature:
     num_embeddings: int
 
 
+class InputRouting(Protocol):
+    """What ``BaseTwExchange.adopt_input_order`` asks of an exchange's ids routing
+    (``host_routing.HostIdsRouting``, ``device_routing.IdsRouting``)."""
+
+    def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
+        """Whether batches of ``num_keys`` features (default ``len(input_pos)``) in
+        which the sharding's input feature ``i`` is at ``input_pos[i]`` can be routed."""
+
+
 class BaseTwExchange:
     """Plan-derived state and step bookkeeping shared by the host and GPU exchanges.
 
@@ -47,8 +56,11 @@ class BaseTwExchange:
 
     Subclasses implement a step as ``_send``, ``_recv`` and ``_drop_step``; the
     public ``send_ids``, ``recv_ids`` and ``_drop_next`` keep the bookkeeping that is
-    the same for every exchange.
+    the same for every exchange. They set ``_routing``, which ``adopt_input_order``
+    asks.
     """
+
+    _routing: InputRouting
 
     def __init__(
         self,
@@ -65,9 +77,11 @@ class BaseTwExchange:
         self._t = transport
         self._features_per_rank = [list(f) for f in features_per_rank]
         self._features = [f for fs in self._features_per_rank for f in fs]
-        self._set_input_features(list(input_features or self._features))
-        # Where each of the sharding's input features sits in the batches the input
-        # dist is given (see ``adopt_input_order``).
+        # The features of the batches the input dist is given, in their order: the
+        # sharding's own until ``adopt_input_order``.
+        self._sharding_features = list(input_features or self._features)
+        self._set_input_features(self._sharding_features)
+        # Where each of the sharding's input features sits in those batches.
         self._input_pos = list(range(len(self._input_features)))
         self._reordered = False
         self._dims = list(dim_sum_per_rank)
@@ -102,7 +116,10 @@ class BaseTwExchange:
         mean = self._mean
         # A send that reports a failure must not trip over the batch again.
         reported = self._failure is not None or self._reported is not None
-        divisor = None if mean is None or reported or self._key_problem(kjt.keys()) else mean.divisor(kjt)
+        divisor = None
+        if mean is not None and not reported and self._key_problem(kjt.keys()) is None:
+            own = self._in_sharding_order(kjt)
+            divisor = mean.divisor(own) if own is not None else None
         step = self._send(kjt)
         if mean is not None:  # after the send: a send that raises leaves no divisor
             mean.sent(divisor)
@@ -138,29 +155,57 @@ class BaseTwExchange:
             [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=self._t.device
         )
 
-    def _routable(self, pos: List[int]) -> bool:
-        """Whether the exchange routes batches where the sharding's input feature ``i``
-        is at position ``pos[i]`` (``adopt_input_order``)."""
-        return True
+    def _in_sharding_order(self, kjt: Any) -> Optional[Any]:
+        """``kjt`` as the sharding's own batch, its features in the sharding's order
+        (host tensors: for what is built per feature in that order, such as the mean
+        divisor); None if its lengths and values cannot be trusted (its send reports
+        it): a permute would read past its ids."""
+        if not self._reordered:
+            return kjt
+        if shape_problem(kjt) is not None or dtype_problem(kjt.values(), None) is not None:
+            return None
+        lengths = kjt.lengths()
+        if (lengths.numel() and int(lengths.min()) < 0) or int(lengths.sum()) != kjt.values().numel():
+            return None
+        return with_float32_weights(kjt).permute(self._input_pos)
 
-    def adopt_input_order(self, keys: Sequence[str]) -> bool:
-        """Makes the input dist take batches with exactly the features ``keys``, in that
-        order, instead of the sharding's order: the exchange then routes each feature
-        to its owner itself, and the module need not permute and split the batch
-        (``ShardedPgasEmbeddingBagCollection.input_dist``). Returns False, changing
-        nothing, if ``keys`` are not the sharding's features or the exchange cannot
-        route their order. Before the first send only."""
-        assert self._send_step == 0, "adopt_input_order after the first send"
+    def takes_input_order(self, keys: Sequence[str]) -> bool:
+        """Whether the input dist can take batches with exactly the features ``keys``,
+        in that order (see ``adopt_input_order``)."""
+        return self._input_order(keys) is not None
+
+    def _input_order(self, keys: Sequence[str]) -> Optional[List[int]]:
+        """``_input_pos`` for batches with the features ``keys``, or None if they lack
+        one of the sharding's, name one twice, or the routing cannot route them."""
         keys = list(keys)
-        by_name: dict = {}
-        for f in self._input_features:
+        names = {f.name for f in self._sharding_features}
+        if len(set(keys)) != len(keys) or not names <= set(keys):
+            return None
+        pos = [keys.index(f.name) for f in self._sharding_features]
+        return pos if self._routing.routable(pos, len(keys)) else None
+
+    def adopt_input_order(self, keys: Sequence[str], others: Sequence[TwFeature] = ()) -> bool:
+        """Makes the input dist take batches with exactly the features ``keys``, in that
+        order, instead of the sharding's own: the exchange then picks its features
+        and routes each to its owner itself, so the module need not permute and split
+        the batch (``ShardedPgasEmbeddingBagCollection.input_dist``).
+
+        ``keys`` may hold other shardings' features too; ``others`` gives features
+        with the rows their ids index, as the module knows them (a feature the
+        sharding pools too is checked against the fewer rows). Every exchange given a
+        batch checks all of it, so that all of them find the same problems in it.
+
+        Returns False, changing nothing, if ``keys`` lack one of the sharding's
+        features, name one twice, hold one that neither the sharding nor ``others``
+        knows, or the exchange cannot route their order. Before the first send only."""
+        assert self._send_step == 0, "adopt_input_order after the first send"
+        pos = self._input_order(keys)
+        by_name: Dict[str, TwFeature] = {f.name: f for f in others}
+        for f in self._sharding_features:
             # A feature pooled by several tables: its ids must fit the smallest.
             if f.name not in by_name or f.num_embeddings < by_name[f.name].num_embeddings:
                 by_name[f.name] = f
-        if len(set(keys)) != len(keys) or set(keys) != set(by_name):
-            return False
-        pos = [keys.index(f.name) for f in self._input_features]
-        if not self._routable(pos):
+        if pos is None or any(k not in by_name for k in keys):
             return False
         self._input_pos = pos
         self._reordered = pos != list(range(len(keys)))

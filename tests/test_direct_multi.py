@@ -1,0 +1,439 @@
+"""Modules whose tables are all PGAS types, ``pgas_table_wise`` and ``pgas_row_wise``
+mixed: batches go to every sharding as they are (the direct path), with the same
+results as TorchRec's permute-and-split path of the same plan (bit for bit), as
+TorchRec's ``table_wise`` + ``row_wise`` and as a float64 reference; bad batches raise
+the same error on every rank. Real gloo process groups, host transport."""
+
+import functools
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import (
+    assert_close_to_reference,
+    assert_same_kt,
+    make_tables,
+    pgas_tw,
+    random_kjt,
+    reference_pooled,
+    run_ranks,
+    shard,
+    torchrec_tw,
+)
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed import embeddingbag
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.sharding.tw_base import PgasInputError
+from torchrec_pgas.sharding_plan import pgas_row_wise
+from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict
+from torchrec_pgas.types import PgasOptions
+
+pgas_rw = functools.partial(pgas_row_wise, compute_kernel="fused")
+torchrec_rw = functools.partial(row_wise, compute_kernel="fused")
+
+#: Per table: ("tw", owner) or ("rw",). With three ranks, rank 1 owns no table-wise
+#: table (only its row blocks).
+KINDS = {
+    2: [("rw",), ("tw", 1), ("tw", 1), ("rw",), ("tw", 0)],
+    3: [("tw", 0), ("rw",), ("tw", 2), ("rw",), ("tw", 0)],
+}
+BATCH_SIZES = {2: [5, 2], 3: [3, 6, 1]}
+
+
+def _tables(world_size: int, seed: int, pooling: PoolingType) -> List[EmbeddingBagConfig]:
+    """``make_tables`` for ``KINDS[world_size]``, the last table pooling two features."""
+    tables = make_tables(len(KINDS[world_size]), seed, pooling)
+    last = tables[-1]
+    tables[-1] = EmbeddingBagConfig(
+        name=last.name,
+        embedding_dim=last.embedding_dim,
+        num_embeddings=last.num_embeddings,
+        feature_names=[last.feature_names[0], "g"],
+        pooling=pooling,
+    )
+    return tables
+
+
+def _placement(tables, world_size: int, tw: Callable, rw: Callable) -> Dict[str, Callable]:
+    return {t.name: tw(k[1]) if k[0] == "tw" else rw() for t, k in zip(tables, KINDS[world_size])}
+
+
+def _row_wise(world_size: int, tables) -> List[str]:
+    return [t.name for t, k in zip(tables, KINDS[world_size]) if k[0] == "rw"]
+
+
+def _in_order(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
+    return kjt.permute([kjt.keys().index(k) for k in keys])
+
+
+class _TorchRecInputDists:
+    """Counts, per module, the calls of TorchRec's input dist (the permute and split
+    the direct path does without) in this process."""
+
+    def __init__(self) -> None:
+        self.calls: Dict[int, int] = {}
+        original = embeddingbag.ShardedEmbeddingBagCollection.input_dist
+
+        def counting(module, ctx, features):
+            self.calls[id(module)] = self.calls.get(id(module), 0) + 1
+            return original(module, ctx, features)
+
+        embeddingbag.ShardedEmbeddingBagCollection.input_dist = counting
+
+    def of(self, dmp: nn.Module, name: str = "ebc") -> int:
+        return self.calls.get(id(getattr(dmp.module, name)), 0)
+
+
+def _models(world_size, tables, weighted, seed, fused_params=None):
+    """The unsharded module, the PGAS plan on the direct path, the same plan forced
+    through TorchRec's path, and TorchRec's table_wise + row_wise."""
+    torch.manual_seed(seed)
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused_params, options=PgasOptions(timeout_s=30))
+    pgas = shard(ref, _placement(tables, world_size, pgas_tw, pgas_rw), world_size, sharder)
+    forced = shard(ref, _placement(tables, world_size, pgas_tw, pgas_rw), world_size, sharder)
+    forced.module.ebc._pgas_direct = False  # decided before its first batch: TorchRec's path
+    torchrec = shard(ref, _placement(tables, world_size, torchrec_tw, torchrec_rw), world_size, sharder)
+    return ref, pgas, forced, torchrec
+
+
+# ------------------------------------------------------------------- forward
+
+
+def _forward(rank, world_size, order, pooling, weighted):
+    counter = _TorchRecInputDists()
+    for seed in range(2):
+        tables = _tables(world_size, seed, pooling)
+        ref, pgas, forced, torchrec = _models(world_size, tables, weighted, seed)
+        keys = [f for t in tables for f in t.feature_names]
+        if order == "shuffled":  # the same on every rank
+            keys = [keys[i] for i in torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed))]
+        for step in range(4):
+            # Uneven batch sizes, empty bags; at step 3 rank 0 has no sample at all.
+            batch_size = 0 if step == 3 and rank == 0 else BATCH_SIZES[world_size][rank] + step
+            kjt = _in_order(random_kjt(tables, batch_size, 1000 * seed + 10 * step + rank, weighted), keys)
+            with torch.no_grad() if step == 2 else torch.enable_grad():
+                out = pgas(kjt)
+                assert_same_kt(out, forced(kjt), exact=True)
+                if pooling == PoolingType.SUM:
+                    # TorchRec's row_wise mean divides every column of a module that has
+                    # it; the reference below is the oracle of mean pooling.
+                    assert_same_kt(out, torchrec(kjt), exact=False)
+                if batch_size:
+                    expected = reference_pooled(tables, ref.state_dict(), kjt, _row_wise(world_size, tables))
+                    assert_close_to_reference(out.to_dict(), expected)
+        # TorchRec's pipelines call the input dist and the rest apart: the same outputs.
+        kjt = _in_order(random_kjt(tables, 3 + rank, 77 + rank, weighted), keys)
+        ebc = pgas.module.ebc
+        ctx = ebc.create_context()
+        piped = ebc.compute_and_output_dist(ctx, ebc.input_dist(ctx, kjt).wait().wait()).wait()
+        assert_same_kt(piped, forced(kjt), exact=True)
+        assert ebc._pgas_direct is True and len(ebc._embedding_shardings) == 2
+        assert counter.of(pgas) == 0, "the direct path took TorchRec's input dist"
+        assert counter.of(forced) == 5  # ... which this count would have shown
+
+
+@pytest.mark.parametrize(
+    "world_size,order,pooling,weighted",
+    [
+        (2, "module", PoolingType.SUM, False),
+        (2, "shuffled", PoolingType.MEAN, True),
+        (3, "shuffled", PoolingType.SUM, True),
+        (3, "module", PoolingType.MEAN, False),
+    ],
+)
+def test_table_wise_and_row_wise_in_one_module_take_the_direct_path(world_size, order, pooling, weighted):
+    run_ranks(_forward, world_size, order=order, pooling=pooling, weighted=weighted, deadline_s=300)
+
+
+# ------------------------------------------------------------------ training
+
+
+def _train(rank, world_size, optimizer):
+    fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
+    tables = _tables(world_size, 7, PoolingType.SUM)
+    ref, pgas, forced, torchrec = _models(world_size, tables, False, 7, fused_params=fused)
+    keys = list(reversed([f for t in tables for f in t.feature_names]))
+    for step in range(4):
+        # One batch size on every rank: TorchRec's row_wise backward on gloo takes no other.
+        kjt = _in_order(random_kjt(tables, 3 + step, 100 * step + rank), keys)
+        outs = []
+        for model in (pgas, forced, torchrec):
+            g = torch.Generator().manual_seed(step)
+            kt = model(kjt).to_dict()
+            sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt)).backward()
+            outs.append({k: v.detach() for k, v in kt.items()})
+        for k in outs[0]:
+            assert torch.equal(outs[0][k], outs[1][k]), (step, k)
+            torch.testing.assert_close(outs[0][k], outs[2][k], rtol=1e-5, atol=1e-6)
+    like = ref.state_dict()
+    trained = [gather_unsharded_state_dict(m, like, prefix="ebc.") for m in (pgas, forced, torchrec)]
+    for name in like:
+        assert torch.equal(trained[0][name], trained[1][name]), name
+        torch.testing.assert_close(trained[0][name], trained[2][name], rtol=0, atol=1e-6)
+        assert not torch.equal(trained[0][name], like[name]), f"{name} was not trained"
+    assert pgas.module.ebc._pgas_direct is True
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_training_matches_table_wise_and_row_wise(world_size, optimizer):
+    run_ranks(_train, world_size, optimizer=optimizer, deadline_s=300)
+
+
+# ------------------------------------------------------- several modules
+
+
+class _TwoModules(nn.Module):
+    def __init__(self, a: EmbeddingBagCollection, b: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc, self.ebc2 = a, b
+
+    def forward(self, kjt: KeyedJaggedTensor, kjt2: KeyedJaggedTensor):
+        return self.ebc(kjt), self.ebc2(kjt2)
+
+
+def _two_module_model(refs, placements, world_size, sharder):
+    plans = {
+        name: construct_module_sharding_plan(
+            ref, per_param_sharding=placement, world_size=world_size, device_type="cpu", sharder=sharder
+        )
+        for name, ref, placement in zip(["ebc", "ebc2"], refs, placements)
+    }
+    dmp = DistributedModelParallel(
+        _TwoModules(
+            *[EmbeddingBagCollection(tables=r.embedding_bag_configs(), device=torch.device("meta")) for r in refs]
+        ),
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan(plans),
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
+    for name, ref in zip(["ebc", "ebc2"], refs):
+        load_unsharded_state_dict(dmp, ref.state_dict(), prefix=f"{name}.")
+    return dmp
+
+
+def _several_modules(rank, world_size):
+    counter = _TorchRecInputDists()
+    tables = _tables(world_size, 3, PoolingType.SUM)
+    tables2 = [
+        EmbeddingBagConfig(name=f"u{i}", embedding_dim=8, num_embeddings=n, feature_names=[f"h{i}"])
+        for i, n in enumerate([13, 6, 21])
+    ]
+    kinds2 = [("rw",), ("tw", world_size - 1), ("tw", 0)]
+    torch.manual_seed(3)
+    refs = [EmbeddingBagCollection(tables=t, device=torch.device("cpu")) for t in (tables, tables2)]
+    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=30))
+
+    def placements(tw, rw):
+        second = {t.name: tw(k[1]) if k[0] == "tw" else rw() for t, k in zip(tables2, kinds2)}
+        return [_placement(tables, world_size, tw, rw), second]
+
+    pgas = _two_module_model(refs, placements(pgas_tw, pgas_rw), world_size, sharder)
+    torchrec = _two_module_model(refs, placements(torchrec_tw, torchrec_rw), world_size, sharder)
+    keys2 = ["h2", "h0", "h1"]
+    for step in range(3):
+        kjt = random_kjt(tables, BATCH_SIZES[world_size][rank] + step, 10 * step + rank)
+        kjt2 = _in_order(random_kjt(tables2, 2 + rank + step, 500 + 10 * step + rank), keys2)
+        out, out2 = pgas(kjt, kjt2)
+        expected, expected2 = torchrec(kjt, kjt2)
+        assert_same_kt(out, expected, exact=False)
+        assert_same_kt(out2, expected2, exact=False)
+        assert_close_to_reference(
+            out.to_dict(), reference_pooled(tables, refs[0].state_dict(), kjt, _row_wise(world_size, tables))
+        )
+        assert_close_to_reference(out2.to_dict(), reference_pooled(tables2, refs[1].state_dict(), kjt2))
+    for name in ("ebc", "ebc2"):
+        assert getattr(pgas.module, name)._pgas_direct is True
+        assert counter.of(pgas, name) == 0
+        assert counter.of(torchrec, name) == 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_several_such_modules_in_one_model(world_size):
+    run_ranks(_several_modules, world_size, deadline_s=300)
+
+
+# ------------------------------------------------------------- bad batches
+
+
+def _out_of_range(tables, feature):
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+
+    def bad(kjt):
+        values = kjt.values().clone()
+        first = kjt.offsets()[kjt.keys().index(feature) * kjt.stride()]
+        values[first] = rows[feature]
+        return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(), weights=kjt.weights_or_none())
+
+    return bad
+
+
+def _negative_length(kjt):
+    lengths = kjt.lengths().clone()  # the same sum: only the sign gives it away
+    lengths[1] += lengths[0] + 1
+    lengths[0] = -1
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths, weights=kjt.weights_or_none())
+
+
+def _missing_key(kjt):
+    keep = kjt.keys()[:-1]
+    return _in_order(kjt, keep)
+
+
+def _torn_weights(kjt):
+    return KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=torch.rand(kjt.values().numel() + 1)
+    )
+
+
+#: What rank 1 does to its batch, and what every rank's error says.
+BAD = {
+    # f0 is row-wise, f2 table-wise (KINDS[2]): found whichever sharding is received first.
+    "id out of range (row-wise)": (
+        lambda t: _out_of_range(t, "f0"),
+        r"rank 1 sent id \d+ for feature 'f0' of table 't0'",
+    ),
+    "id out of range (table-wise)": (
+        lambda t: _out_of_range(t, "f2"),
+        r"rank 1 sent id \d+ for feature 'f2' of table 't2'",
+    ),
+    "negative length": (lambda t: _negative_length, r"rank 1 .*negative"),
+    "missing key": (lambda t: _missing_key, r"rank 1 sent a KJT whose features are not the model's"),
+    "torn weights": (lambda t: _torn_weights, r"rank 1 sent a KJT whose weights and values disagree"),
+}
+
+
+def _bad_batch(rank, world_size, case):
+    tables = _tables(world_size, 5, PoolingType.MEAN)
+    ref, pgas, forced, _ = _models(world_size, tables, True, 5)
+    keys = list(reversed([f for t in tables for f in t.feature_names]))
+
+    def batch(seed, batch_size=3):
+        return _in_order(random_kjt(tables, batch_size, seed, weighted=True), keys)
+
+    make_bad, message = BAD[case]
+    spoil = make_bad(tables)
+    for step in range(2):
+        good = batch(10 * step + rank)
+        for model in (pgas, forced):
+            model(good)  # the first batch decides the path: a good one
+        bad = batch(100 + 10 * step + rank, 4)
+        if rank == 1:  # an id in every feature's first bag: each case has one to spoil
+            bad = _nonempty_first_bags(bad)
+        errors = []
+        for model in (pgas, forced) if case != "missing key" else (pgas,):
+            with pytest.raises(PgasInputError, match=message) as info:
+                model(spoil(bad) if rank == 1 else bad)
+            errors.append(str(info.value))
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, errors[0])
+        assert everyone == [errors[0]] * world_size, everyone
+        # The next batch is this step's on every rank, and right.
+        nxt = batch(200 + 10 * step + rank, 2 + rank)
+        out = pgas(nxt)
+        assert_same_kt(out, forced(nxt), exact=True)
+        expected = reference_pooled(tables, ref.state_dict(), nxt, _row_wise(world_size, tables))
+        assert_close_to_reference(out.to_dict(), expected)
+    assert pgas.module.ebc._pgas_direct is True
+
+
+def _nonempty_first_bags(kjt):
+    """``kjt`` with one more id (0) at the start of every feature's first bag."""
+    keys, batch = kjt.keys(), kjt.stride()
+    lengths = kjt.lengths().clone().view(len(keys), batch)
+    per_feature = kjt.values().split(lengths.sum(1).tolist())
+    weights = kjt.weights().split(lengths.sum(1).tolist())
+    lengths[:, 0] += 1
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([torch.cat([torch.zeros(1, dtype=v.dtype), v]) for v in per_feature]),
+        lengths=lengths.view(-1),
+        weights=torch.cat([torch.cat([torch.ones(1), w]) for w in weights]),
+    )
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_batch_on_one_rank_raises_the_same_error_everywhere(case):
+    run_ranks(_bad_batch, 2, case=case, deadline_s=300)
+
+
+def _second_send_fails(rank, world_size):
+    """An error preparing the send of the second sharding only, on rank 1: the first
+    sharding's step is served and the second's raises, on every rank alike, and the
+    next batch is right."""
+    tables = _tables(world_size, 2, PoolingType.SUM)
+    ref, pgas, _, torchrec = _models(world_size, tables, False, 2)
+    keys = list(reversed([f for t in tables for f in t.feature_names]))
+
+    def check(step):
+        kjt = _in_order(random_kjt(tables, 2 + rank + step, 10 * step + rank), keys)
+        out = pgas(kjt)
+        assert_same_kt(out, torchrec(kjt), exact=False)
+        assert_close_to_reference(out.to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+
+    check(0)
+    second = pgas.module.ebc._pgas_exchanges[1]
+    if rank == 1:
+        original = second._check
+
+        def failing(*args):
+            second._check = original
+            raise RuntimeError("injected failure")
+
+        second._check = failing
+    with pytest.raises(PgasInputError, match=r"rank 1 could not send its batch: RuntimeError: injected failure"):
+        pgas(_in_order(random_kjt(tables, 3, 50 + rank), keys))
+    for step in range(1, 3):
+        check(step)
+    assert pgas.module.ebc._pgas_direct is True
+
+
+def test_a_send_failing_in_one_sharding_raises_on_every_rank():
+    run_ranks(_second_send_fails, 3, deadline_s=300)
+
+
+def test_gpu_routing_takes_other_features_table_wise_only():
+    """The GPU row-wise routing buckets the sharding's own features in its order
+    (``row_buckets``' blocks per feature): a batch with other features goes TorchRec's
+    way there. Table-wise routing puts each owner's runs wherever they are."""
+    from torchrec_pgas.sharding.device_routing import RowBlockIds, TableWiseIds
+
+    rw = RowBlockIds(torch.tensor([4, 7]), 2)
+    assert rw.routable([0, 1]) and rw.routable([0, 1], 2)
+    assert not rw.routable([0, 1], 3) and not rw.routable([1, 2], 3) and not rw.routable([1, 0])
+    tw = TableWiseIds([1, 2])
+    assert tw.routable([4, 0, 2], 5) and tw.routable([0, 1, 2], 3)
+
+
+# ------------------------------------------------------- mixed with TorchRec's
+
+
+def _with_torchrec_types(rank, world_size):
+    counter = _TorchRecInputDists()
+    tables = _tables(world_size, 1, PoolingType.SUM)
+    torch.manual_seed(1)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    sharder = PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=30))
+    # pgas_table_wise and pgas_row_wise beside TorchRec's table_wise.
+    gens = [pgas_rw(), torchrec_tw(1), pgas_tw(1), pgas_rw(), pgas_tw(0)]
+    model = shard(ref, {t.name: g for t, g in zip(tables, gens)}, world_size, sharder)
+    for step in range(2):
+        kjt = random_kjt(tables, BATCH_SIZES[world_size][rank] + step, 10 * step + rank)
+        out = model(kjt).to_dict()
+        assert_close_to_reference(out, reference_pooled(tables, ref.state_dict(), kjt))
+    assert model.module.ebc._pgas_direct is False
+    assert counter.of(model) == 2
+
+
+def test_modules_mixing_torchrec_types_keep_torchrec_path():
+    run_ranks(_with_torchrec_types, 2, deadline_s=300)
