@@ -86,7 +86,11 @@ def _graphed_markdown(rows: List[Dict[str, Any]]) -> str:
     for r in rows:
         cells = []
         for key, _ in METRICS:
-            base, ours, replayed = r["baseline"][key], r["ours"][key], r["ours"][graphed(key)]
+            base, ours = r["baseline"][key], r["ours"][key]
+            if graphed(key) not in r["ours"]:
+                cells.append(f"{base:.3f} / {ours:.3f} / n/a")
+                continue
+            replayed = r["ours"][graphed(key)]
             cells.append(
                 f"{base:.3f} / {ours:.3f} / {replayed:.3f} "
                 f"(**{base / replayed:.2f}x**{_spread(r, graphed(key))}, graphs {ours / replayed:.2f}x)"
