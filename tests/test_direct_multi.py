@@ -188,6 +188,64 @@ def test_training_matches_table_wise_and_row_wise(world_size, optimizer):
     run_ranks(_train, world_size, optimizer=optimizer, deadline_s=300)
 
 
+class _TrainStep(nn.Module):
+    """What TrainPipelineSparseDist runs: a batch's (loss, output); the batch's dense
+    features weigh the pooled columns."""
+
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        return (pooled * batch.dense_features).sum(), pooled
+
+
+def _pipeline(rank, world_size):
+    """TorchRec's training pipeline calls the input dist apart from the rest (on the
+    batch ahead): the same updates as direct calls of the module, and no TorchRec
+    input dist."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    counter = _TorchRecInputDists()
+    tables = _tables(world_size, 4, PoolingType.SUM)
+    torch.manual_seed(4)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=PgasOptions(timeout_s=30))
+    placement = _placement(tables, world_size, pgas_tw, pgas_rw)
+    piped = shard(ref, placement, world_size, sharder, wrapper=_TrainStep)
+    direct = shard(ref, placement, world_size, sharder, wrapper=_TrainStep)
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    keys = list(reversed([f for t in tables for f in t.feature_names]))
+    batches = []
+    for i in range(5):
+        kjt = _in_order(random_kjt(tables, 3 + i % 2, 10 * i + rank), keys)
+        dense = torch.randn(kjt.stride(), width, generator=torch.Generator().manual_seed(i + 100 * rank))
+        batches.append(Batch(dense_features=dense, sparse_features=kjt, labels=torch.zeros(kjt.stride())))
+    pipeline = TrainPipelineSparseDist(piped, piped.fused_optimizer, torch.device("cpu"))
+    it = iter(batches)
+    outs = []
+    with pytest.raises(StopIteration):
+        while True:
+            outs.append(pipeline.progress(it).detach())  # the model's output
+    for batch, out in zip(batches, outs):
+        loss, expected = direct(batch)
+        loss.backward()
+        assert torch.equal(out, expected.detach())
+    like = ref.state_dict()
+    trained = [gather_unsharded_state_dict(m, like, prefix="ebc.") for m in (piped, direct)]
+    for name in like:
+        assert torch.equal(trained[0][name], trained[1][name]), name
+        assert not torch.equal(trained[0][name], like[name]), f"{name} was not trained"
+    assert piped.module.ebc._pgas_direct is True and counter.of(piped) == 0
+
+
+def test_training_pipeline_takes_the_direct_input_dist():
+    run_ranks(_pipeline, 2, deadline_s=300)
+
+
 # ------------------------------------------------------- several modules
 
 
