@@ -186,6 +186,7 @@ def _dlrm(rank, world_size, layout):
         over_arch_layer_sizes=[16, 1],
         dense_device=GPU,
     )
+    dlrm.inter_arch.to(GPU)  # its indices are made on the CPU, copied at every step otherwise
     unsharded = copy.deepcopy(dlrm).to(CPU)
     sharder = PgasEmbeddingBagCollectionSharder(options=_options(world_size))
     plan = construct_module_sharding_plan(

@@ -385,6 +385,13 @@ def capture(
         error = _capture_error(e)
         if error is e:
             raise
+        cpu = [name for name, b in model.named_buffers() if b.device.type == "cpu"]
+        if cpu:
+            error.add_note(
+                f"Buffers of the model on the CPU, copied to the GPU at every step: {', '.join(cpu)} "
+                f"(DistributedModelParallel moves the modules that have parameters only; TorchRec's DLRM "
+                f"makes its interaction indices on the CPU: move them, e.g. dlrm.inter_arch.to(device))."
+            )
         raise error from e
     finally:
         # The captured steps were counted on the host and did not run: uncount them.

@@ -75,4 +75,9 @@ def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> Dist
         constraints=constraints_for(sharding, args),
     )
     plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=device, plan=plan)
+    dmp = DistributedModelParallel(model, device=device, plan=plan)
+    # DMP moves the modules that have parameters; the DLRM's interaction indices (a
+    # buffer) would stay on the CPU, copied to the GPU at every step (which a CUDA
+    # graph cannot capture).
+    dmp.module.model.inter_arch.to(device)
+    return dmp

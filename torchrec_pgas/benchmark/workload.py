@@ -64,6 +64,8 @@ class _Dlrm(nn.Module):
             over_arch_layer_sizes=[256, 1],
             dense_device=device,
         )
+        # Its interaction indices (a buffer) are made on the CPU: each step would copy them.
+        self.model.inter_arch.to(device)
 
     def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.model(dense, kjt)
