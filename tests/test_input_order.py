@@ -94,12 +94,12 @@ def test_table_wise_takes_batches_in_their_order_unpermuted():
     "kinds,order,direct",
     [
         (("rw", "rw"), ["f0", "f1", "f2"], True),  # the sharding's own order
-        (("rw", "rw"), ["f2", "f0", "f1"], False),  # row-wise routes only that one
-        (("tw", "rw"), ["f2", "f0", "f1"], False),  # two shardings
+        (("rw", "rw"), ["f2", "f0", "f1"], True),  # the host routing permutes it
+        (("tw", "rw"), ["f2", "f0", "f1"], True),  # two PGAS shardings: each picks its own
     ],
     ids=["row-wise-in-order", "row-wise-reordered", "mixed"],
 )
-def test_other_modules_take_torchrec_permute_and_split(kinds, order, direct):
+def test_row_wise_and_mixed_modules_take_batches_in_their_order(kinds, order, direct):
     run_ranks(_other_modules, 2, kinds=kinds, order=order, direct=direct)
 
 
@@ -207,10 +207,10 @@ def _weights_not_one_per_value(rank, world_size, kinds):
         kjt = batch(99 + step + rank, torn=False)
         rw = [t.name for t, k in zip(tables, kinds) if k == "rw"]
         assert_close_to_reference(pgas(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt, row_wise=rw))
-    assert pgas.module.ebc._pgas_direct is (kinds == ("tw", "tw"))
+    assert pgas.module.ebc._pgas_direct is True
 
 
-@pytest.mark.parametrize("kinds", [("tw", "tw"), ("tw", "rw")], ids=["direct", "torchrec-way"])
+@pytest.mark.parametrize("kinds", [("tw", "tw"), ("tw", "rw")], ids=["one-sharding", "two-shardings"])
 def test_weights_not_one_per_value_raise_on_every_rank(kinds):
     run_ranks(_weights_not_one_per_value, 2, kinds=kinds)
 
