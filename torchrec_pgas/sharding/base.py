@@ -121,10 +121,6 @@ class PgasShardingMixin:
                 f"pass every rank the same options"
             )
 
-    def adopt_input_order(self, keys: List[str]) -> bool:
-        """See ``BaseTwExchange.adopt_input_order``."""
-        return self._get_exchange(None).adopt_input_order(keys)
-
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
         """See ``BaseTwExchange.report_input_problem``."""
         self._get_exchange(None).report_input_problem(status, detail)

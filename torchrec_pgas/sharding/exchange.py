@@ -10,7 +10,7 @@ pipeline may drop a batch after its input dist.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -105,8 +105,13 @@ class Exchange(Protocol):
     def fail_next_send(self, error: BaseException) -> None:
         """Makes the next send report ``error`` instead of its batch."""
 
-    def adopt_input_order(self, keys: List[str]) -> bool:
-        """Takes batches with exactly the features ``keys``, in that order."""
+    def takes_input_order(self, keys: Sequence[str]) -> bool:
+        """Whether it can take batches with exactly the features ``keys``, in that
+        order (which may hold other shardings' features)."""
+
+    def adopt_input_order(self, keys: Sequence[str], others: Sequence[Any] = ()) -> bool:
+        """Takes batches with exactly the features ``keys``, in that order; ``others``:
+        the other shardings' features, with the rows their ids index."""
 
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
         """Makes the next send report ``status`` for its batch."""
