@@ -72,9 +72,6 @@ class DeviceTwSetup(BaseTwExchange):
         self._err_at = transport.world_size * HEADER_WORDS
         self._errors = StepRecords(self._err_at + RECORD_WORDS, self._dev)
 
-    def _routable(self, pos: List[int]) -> bool:
-        return self._routing.routable(pos)
-
     def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective)."""
         t, world, me = self._t, self._t.world_size, self._me

@@ -113,9 +113,6 @@ class TwExchange(BaseTwExchange):
             )
         return ok
 
-    def _routable(self, pos: List[int]) -> bool:
-        return self._routing.routable(pos)
-
     def _by_owner(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``kjt`` with each owner's features contiguous, owner by owner (``routing``)."""
         return self._routing.by_owner(kjt, self._input_pos if self._reordered else None)
