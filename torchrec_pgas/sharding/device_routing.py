@@ -5,7 +5,7 @@ requester's output slot (``OutputBlocks``); then the per-rank address tables tha
 follow from both and the buffers (``PeerTables``)."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,11 @@ Routed = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 #: is three of ``put_signal``'s unrolled puts. A batch order that scatters an owner's
 #: features more goes TorchRec's way (permuted into the sharding's order).
 MAX_RUNS = 8
+
+#: The rows ``RowBlockIds`` takes the tables of a batch's other features to have: all
+#: their ids (checked against their real tables) fall in bucket 0's block, and the
+#: kernel's ``block * world`` stays an int64.
+OTHER_ROWS = 1 << 62
 
 
 def per_owner(counts: Sequence[int], pos: Sequence[int]) -> List[List[int]]:
@@ -78,14 +83,32 @@ class TableWiseIds:
 
 
 class RowBlockIds:
-    """Row-wise routing: ids bucketed by row block on the device (``row_buckets``);
-    owner ``r`` gets routed features ``r * F ... (r + 1) * F - 1``, ids local to its
-    block. ``block_sizes``: int64 [F], rows per block of each feature's table."""
+    """Row-wise routing: ids bucketed by row block on the device (``row_buckets``),
+    every feature of the batch as it is given, so no permute reads the lengths back.
+    Owner ``r`` gets bucket ``r`` of the sharding's features, ids local to its block:
+    in a batch of ``F'`` features, routed features ``r * F' + input_pos[i]`` for the
+    sharding's feature ``i`` (``adopt_input_order``; by default the batch is the
+    sharding's ``F`` features in order). ``block_sizes``: int64 [F], rows per block of
+    each of the sharding's features' tables."""
 
     def __init__(self, block_sizes: torch.Tensor, world_size: int) -> None:
-        self._block_sizes = block_sizes
+        # Read once, at set-up: ``routable`` compares them on the host.
+        self._own_sizes: List[int] = block_sizes.tolist()
         self._world = world_size
-        self._features = block_sizes.numel()
+        self._num_keys = len(self._own_sizes)
+        self._block_sizes = block_sizes  # per feature of the batch
+
+    def adopt_input_order(self, input_pos: Sequence[int], num_keys: int) -> None:
+        """Routes batches of ``num_keys`` features where the sharding's feature ``i``
+        is at ``input_pos[i]`` (``routable``). The other features' ids go to bucket 0
+        whole (``OTHER_ROWS``: ``row_buckets`` needs a block for every feature), and no
+        owner is sent that: bucketing them is the only work they cost."""
+        assert self.routable(input_pos, num_keys), (list(input_pos), num_keys)
+        sizes = [OTHER_ROWS // self._world] * num_keys
+        for p, size in zip(input_pos, self._own_sizes):
+            sizes[p] = size
+        self._block_sizes = torch.tensor(sizes, dtype=torch.int64, device=self._block_sizes.device)
+        self._num_keys = num_keys
 
     def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
         """Bad ids land in some bucket (FBGEMM hashes ids past the blocks), but such a
@@ -95,8 +118,8 @@ class RowBlockIds:
         return row_buckets(values, offsets, weights, self._block_sizes, self._world)
 
     def unrouted(self, offsets: torch.Tensor, lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """As if every id went to owner 0: in range of the routed layout, and the first
-        batch sizes the slots by all its ids."""
+        """As if every id went to owner 0: in range of the routed layout (``W`` times
+        the batch's bags), and the first batch sizes the slots by all its ids."""
         rest = (self._world - 1) * lengths.numel()
         return (
             torch.cat([offsets, offsets[-1:].expand(rest)]),
@@ -104,12 +127,18 @@ class RowBlockIds:
         )
 
     def routed_features(self, owner: int, input_pos: Sequence[int]) -> List[int]:
-        return list(range(owner * self._features, (owner + 1) * self._features))
+        return [owner * self._num_keys + p for p in input_pos]
 
     def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
-        """Only the sharding's own features, in its order: the row blocks and the mean
-        divisor are built per feature in that order."""
-        return num_keys in (None, len(input_pos)) and list(input_pos) == list(range(len(input_pos)))
+        """Any batch whose sharding features take at most ``MAX_RUNS`` runs (each
+        owner's part has the same runs, in its own bucket), where a feature that
+        several of the sharding's tables pool has the same row blocks in each (the
+        batch has one bucketing of it)."""
+        block_at: Dict[int, int] = {}
+        for p, size in zip(input_pos, self._own_sizes):
+            if block_at.setdefault(p, size) != size:
+                return False
+        return len(runs_of(input_pos)) <= MAX_RUNS
 
 
 @dataclass(frozen=True)

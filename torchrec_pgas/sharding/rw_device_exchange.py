@@ -7,7 +7,9 @@ Every rank owns a block of rows of every table (TorchRec's ``row_wise`` blocks,
   on the device (``kernels/row_buckets``: FBGEMM's ``block_bucketize_sparse_features``
   as TorchRec calls it, in fewer host steps), and
   owner ``o``'s bucket, with ids local to its block, goes into its slot. Nothing is
-  read back: a bucket holds exactly the ids of its block, whatever their count.
+  read back: a bucket holds exactly the ids of its block, whatever their count. A
+  batch with other shardings' features (``adopt_input_order``) is bucketed whole, in
+  its order; each owner's bucket of the sharding's features goes, as runs of them.
 * ``exchange_pooled``: every owner pools partial sums of every feature and stores
   them into its own block of the requester's output slot (``[world, rows, dims]``);
   the requester adds the blocks in rank order (deterministic), then divides mean
@@ -48,6 +50,7 @@ class DeviceRwExchange(DeviceTwExchange):
         block_sizes = torch.tensor(
             [(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64, device=transport.device
         )
+        routing = RowBlockIds(block_sizes, world)
         super().__init__(
             transport,
             features_per_rank=[
@@ -57,7 +60,16 @@ class DeviceRwExchange(DeviceTwExchange):
             input_features=features,
             out_dim=width,  # every owner covers every column
             mean=MeanAfterSum(dims, mean, transport.device),
-            routing=RowBlockIds(block_sizes, world),
+            routing=routing,
             output=OutputBlocks(blocks=world, my_block=transport.rank, dim=width, col_offsets=(0,) * world),
             **kwargs,
         )
+        self._row_blocks = routing
+
+    def adopt_input_order(self, keys: Sequence[str], others: Sequence[TwFeature] = ()) -> bool:
+        """See ``BaseTwExchange.adopt_input_order``; the row blocks then bucket every
+        feature of such batches (``RowBlockIds.adopt_input_order``)."""
+        if not super().adopt_input_order(keys, others):
+            return False
+        self._row_blocks.adopt_input_order(self._input_pos, len(keys))
+        return True

@@ -118,8 +118,7 @@ class BaseTwExchange:
         reported = self._failure is not None or self._reported is not None
         divisor = None
         if mean is not None and not reported and self._key_problem(kjt.keys()) is None:
-            own = self._in_sharding_order(kjt)
-            divisor = mean.divisor(own) if own is not None else None
+            divisor = mean.divisor(kjt, self._input_pos)
         step = self._send(kjt)
         if mean is not None:  # after the send: a send that raises leaves no divisor
             mean.sent(divisor)
@@ -154,20 +153,6 @@ class BaseTwExchange:
         self._num_rows = torch.tensor(
             [f.num_embeddings for f in self._input_features], dtype=torch.int64, device=self._t.device
         )
-
-    def _in_sharding_order(self, kjt: Any) -> Optional[Any]:
-        """``kjt`` as the sharding's own batch, its features in the sharding's order
-        (host tensors: for what is built per feature in that order, such as the mean
-        divisor); None if its lengths and values cannot be trusted (its send reports
-        it): a permute would read past its ids."""
-        if not self._reordered:
-            return kjt
-        if shape_problem(kjt) is not None or dtype_problem(kjt.values(), None) is not None:
-            return None
-        lengths = kjt.lengths()
-        if (lengths.numel() and int(lengths.min()) < 0) or int(lengths.sum()) != kjt.values().numel():
-            return None
-        return with_float32_weights(kjt).permute(self._input_pos)
 
     def takes_input_order(self, keys: Sequence[str]) -> bool:
         """Whether the input dist can take batches with exactly the features ``keys``,
