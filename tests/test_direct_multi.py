@@ -460,15 +460,14 @@ def test_a_send_failing_in_one_sharding_raises_on_every_rank():
     run_ranks(_second_send_fails, 3, deadline_s=300)
 
 
-def test_gpu_routing_takes_other_features_table_wise_only():
-    """The GPU row-wise routing buckets the sharding's own features in its order
-    (``row_buckets``' blocks per feature): a batch with other features goes TorchRec's
-    way there. Table-wise routing puts each owner's runs wherever they are."""
+def test_gpu_routing_takes_other_features_in_any_order():
+    """Both GPU routings take batches that hold other shardings' features, in any order
+    of few enough runs: table-wise puts each owner's runs wherever they are, row-wise
+    buckets the whole batch and sends each owner its runs (``test_rw_device_routing``)."""
     from torchrec_pgas.sharding.device_routing import RowBlockIds, TableWiseIds
 
     rw = RowBlockIds(torch.tensor([4, 7]), 2)
-    assert rw.routable([0, 1]) and rw.routable([0, 1], 2)
-    assert not rw.routable([0, 1], 3) and not rw.routable([1, 2], 3) and not rw.routable([1, 0])
+    assert rw.routable([0, 1]) and rw.routable([0, 1], 3) and rw.routable([1, 2], 3) and rw.routable([1, 0])
     tw = TableWiseIds([1, 2])
     assert tw.routable([4, 0, 2], 5) and tw.routable([0, 1, 2], 3)
 

@@ -171,7 +171,7 @@ def test_shared_gpu_put_path_training_matches_host(world_size):
 def _bad_batches(rank, world_size):
     """A bad batch on the last rank raises the same error on every rank, and the next
     good batch is served right, in a module of pgas_table_wise only (the direct path)
-    and one mixing pgas_table_wise and pgas_row_wise (TorchRec's permute and split):
+    and one mixing pgas_table_wise and pgas_row_wise (the direct path too):
     ids out of range, a negative length whose lengths still add up, 2-D values, a
     missing key, and an error while the send is prepared (its message must reach
     every rank)."""
