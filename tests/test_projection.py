@@ -18,13 +18,18 @@ from torchrec_pgas.benchmark.projection import (
     Fit,
     Links,
     check,
+    config_of,
     fit,
     fit_results,
     forward_ms,
     link_ms,
+    load,
     lookup_bytes,
+    main,
+    not_modelled,
     peer_bytes,
     scaled,
+    summarize,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,3 +185,125 @@ def test_the_dlrm_scenario_is_modelled_by_its_own_pooling_factors_and_fitted_as_
     checked = [c for c in check(results, pairs, links) if c["row"].startswith("dlrm")]
     assert len(checked) == 2 and all(abs(c["rel_error"]) < FIT_TOLERANCE for c in checked)
     assert scaled(cfg, "weak", 16).shape == "dlrm"  # projected with its own tables
+
+
+# ------------------------------------------------------------------ the check mode
+
+#: The model the fake results below are made from: every number known.
+TRUTH_LINKS = Links(intra_gbps=300.0)
+TRUTH = {
+    "baseline": Fit(fixed_ms=0.61, lookup_gbps=3000.0, overlapped=False, exchange_ms=0.83),
+    "ours": Fit(fixed_ms=0.29, lookup_gbps=3000.0, overlapped=True, exchange_ms=0.17),
+}
+PAIRS = (["table_wise", "pgas_table_wise"], ["row_wise", "pgas_row_wise"])
+
+
+def _fake_row(cfg, scenario, pair, copy_gbps=3000.0, with_config=True, **extra):
+    """A results row whose forward times are the truth model's, in the benchmark's format
+    (``with_config=False``: a row copied from a printed table, the label only)."""
+    row = {"scenario": scenario, "label": cfg.label(), "pair": list(pair), "copy_gbps": copy_gbps, **extra}
+    if with_config:
+        row["config"] = dataclasses.asdict(cfg)
+    else:
+        del row["copy_gbps"]
+    for side, model in TRUTH.items():
+        row[side] = {"forward_ms": forward_ms(cfg, model, TRUTH_LINKS)}
+    return row
+
+
+def _fake_files(tmp_path, held_copy_gbps=3000.0):
+    """A fit file (R1 on 1 and 2 GPUs at two batch sizes) and a file of rows held out
+    (other dims, ids per bag, batches, tables; some from a printed table), fresh sizes."""
+    fit_rows, held_rows = [], []
+    for pair in PAIRS:
+        for ranks, batch in ((1, 4096), (1, 9000), (2, 8192), (2, 3000)):
+            fit_rows.append(_fake_row(Config(ranks=ranks, batch_size=batch), "r1", pair))
+        for i, cfg in enumerate(
+            (
+                Config(dim=32, batch_size=700),
+                Config(dim=256, ids_per_bag=3, batch_size=65536),
+                Config(tables=5, rows=777, ids_per_bag=57, batch_size=12345, ranks=1),
+                Config(tables=3, batch_size=40000, zipf_alpha=1.05),
+            )
+        ):
+            held_rows.append(_fake_row(cfg, "sweep", pair, copy_gbps=held_copy_gbps, with_config=i % 2 == 0))
+    paths = str(tmp_path / "fit.json"), str(tmp_path / "held.json")
+    for path, rows in zip(paths, (fit_rows, held_rows)):
+        with open(path, "w") as f:
+            json.dump({"meta": {}, "rows": rows}, f)
+    return paths
+
+
+def test_printed_labels_give_back_their_config_and_others_are_left_out_by_name():
+    for cfg in (Config(), Config(tables=3, rows=77, dim=32, batch_size=5, ids_per_bag=1, zipf_alpha=1.05, ranks=1)):
+        assert config_of({"label": cfg.label()}) == cfg
+    assert config_of({"label": "1 ranks, DLRM-shaped 26 tables"}) is None
+    results = {"rows": [_fake_row(Config(), "r1", PAIRS[0]), {"scenario": "x", "label": "?", "pair": PAIRS[1]}]}
+    results["rows"].append(_fake_row(Config(), "r1", ["a", "b"], with_config=False))
+    pairs = fit_results({"rows": results["rows"][:1]}, TRUTH_LINKS)
+    left_out = not_modelled(results, pairs)
+    assert len(left_out) == 2 and "no configuration" in left_out[0] and "has no fit" in left_out[1], left_out
+    assert len(check(results, pairs, TRUTH_LINKS)) == 2  # the modelled row, both sides
+
+
+def test_check_gives_back_a_known_model_on_rows_it_was_not_fitted_on(tmp_path):
+    fit_path, held_path = _fake_files(tmp_path)
+    pairs = fit_results(load([fit_path]), TRUTH_LINKS)
+    for pair in pairs:
+        for side, got in (("baseline", pair.theirs), ("ours", pair.ours)):
+            assert math.isclose(got.fixed_ms, TRUTH[side].fixed_ms, rel_tol=1e-9)
+            assert math.isclose(got.exchange_ms, TRUTH[side].exchange_ms, rel_tol=1e-9)
+    checked = check(load([fit_path, held_path]), pairs, TRUTH_LINKS)
+    assert len(checked) == 2 * 2 * 8 and sum(not c["fitted"] for c in checked) == 16
+    assert {c["source"] for c in checked if not c["fitted"]} == {"held.json"}
+    assert all(math.isclose(c["ratio"], 1.0, rel_tol=1e-9) for c in checked), checked
+    summary = summarize(checked, tolerance=0.01)
+    assert {(s["side"], s["gpus"], s["rows"]) for s in summary} == {
+        (side, gpus, rows) for side in ("baseline", "ours") for gpus in (1, 2) for rows in ("held out", "all")
+    }
+    assert all(s["outside"] == 0 and math.isclose(s["median_ratio"], 1.0, rel_tol=1e-9) for s in summary)
+
+
+def test_check_uses_a_rows_own_link_bandwidth():
+    cfg = Config(batch_size=30000, dim=256)
+    row = _fake_row(cfg, "r1", PAIRS[0])
+    pairs = fit_results({"rows": [row]}, TRUTH_LINKS)
+    slow = dict(row, label=row["label"] + " ", link_gbps=30.0)
+    ours = [c for c in check({"rows": [row, slow]}, pairs, TRUTH_LINKS) if c["side"] == "ours"]
+    assert math.isclose(ours[0]["model_ms"], forward_ms(cfg, pairs[0].ours, TRUTH_LINKS), rel_tol=1e-12)
+    expected = forward_ms(cfg, pairs[0].ours, dataclasses.replace(TRUTH_LINKS, intra_gbps=30.0))
+    assert math.isclose(ours[1]["model_ms"], expected, rel_tol=1e-12) and expected > 2 * ours[0]["model_ms"]
+
+
+@pytest.mark.parametrize("wrong", ["nvlink 10x slower", "rows' copy bandwidth halved"])
+def test_a_wrong_model_fails_the_check_visibly(tmp_path, wrong):
+    fit_path, held_path = _fake_files(tmp_path, held_copy_gbps=1500.0 if "copy" in wrong else 3000.0)
+    intra = TRUTH_LINKS.intra_gbps / (10 if "nvlink" in wrong else 1)
+    md = str(tmp_path / "check.md")
+    argv = ["--results", fit_path, "--check", held_path, fit_path, "--check-md", md, "--intra-gbps", str(intra)]
+    main(argv)  # without --strict it reports, and exits 0
+    rows = [line for line in open(md).read().splitlines() if line.endswith("| held out |")]
+    assert len(rows) == 16 and sum("**off**" in line for line in rows) >= 2, rows
+    with pytest.raises(SystemExit, match=r"checked rows off by more than 25%"):
+        main(argv + ["--strict"])
+    # The right model on the same rows passes --strict, even at 0.1%.
+    _fake_files(tmp_path)
+    main(argv[:-1] + [str(TRUTH_LINKS.intra_gbps), "--strict", "--tolerance", "0.001"])
+    rows = [line for line in open(md).read().splitlines() if line.endswith(("| held out |", "| fitted on |"))]
+    assert len(rows) == 32 and not any("**off**" in line for line in rows)
+
+
+def test_the_committed_check_is_what_its_command_writes_now(tmp_path):
+    """examples/benchmark_results/projection_check.md is generated: when the model or
+    the results change, regenerate it with the command on its third line."""
+    with open(os.path.join(ROOT, "examples", "benchmark_results", "projection_check.md")) as f:
+        committed = f.read()
+    command = committed.splitlines()[2].split("`")[1].split()
+    assert command[:3] == ["python", "-m", "torchrec_pgas.benchmark.projection"], command
+    out, cwd = str(tmp_path / "check.md"), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        main(command[3:] + ["--check-md", out])
+    finally:
+        os.chdir(cwd)
+    assert open(out).read() == committed
