@@ -145,6 +145,8 @@ def test_bad_inputs_are_refused_by_name():
         scaled(Config(), "both", 8)
     with pytest.raises(ValueError, match="no rows with a 'config'"):
         fit_results({"rows": [{"scenario": "weak"}]}, Links())
+    with pytest.raises(SystemExit):
+        main(["--check", R1, "--tolerance", "0"])
 
 
 def test_cli_projects_the_committed_gpu_results_and_labels_them(tmp_path):

@@ -572,6 +572,8 @@ def main(argv: "Sequence[str] | None" = None) -> None:
     args = p.parse_args(argv)
     if not args.check and not (args.results and args.out):
         p.error("give --results and --out (the projection), or --check (the check against measured rows)")
+    if args.tolerance <= 0:
+        p.error(f"--tolerance must be positive (a fraction: 0.25 is 25%), got {args.tolerance}")
     fit_paths = args.results or args.check
     results = load(fit_paths)
     intra, source = (args.intra_gbps, "given") if args.intra_gbps else intra_gbps(results)
