@@ -308,6 +308,11 @@ def _train(rank, world_size, layout):
     dist.barrier()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a training step cannot be captured yet: under autograd the owner's lookup reads the ids' count "
+    "back to the host (FBGEMM's backward sorts its whole index tensor); seen on one H200",
+)
 @pytest.mark.parametrize("layout", ["tw", "rw"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_captured_training_matches_eager(world_size, layout):

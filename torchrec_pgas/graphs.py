@@ -24,7 +24,7 @@ A DLRM step with dense inputs: ``capture(lambda d, k: model(d, k), dense, kjt, m
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.exchange import Exchange
+from torchrec_pgas.sharding.exchange import raise_errors as _raise_errors
 from torchrec_pgas.sharding.step_records import RING_ENTRIES
 
 __all__ = ["CapturedStep", "capture", "pgas_exchanges", "raise_errors"]
@@ -61,21 +62,7 @@ def raise_errors(module: nn.Module, wait: bool = False) -> None:
     an epoch, before a checkpoint). ``CapturedStep`` calls it without waiting after each
     replay. Every exchange is asked, so one call raises every error pending for a batch
     (the first, with the others as notes) and none is left for a later call."""
-    _raise_all(pgas_exchanges(module), wait)
-
-
-def _raise_all(exchanges: Sequence[Exchange], wait: bool) -> None:
-    first: Optional[BaseException] = None
-    for exchange in exchanges:
-        try:
-            exchange.raise_errors(wait=wait)
-        except Exception as e:  # noqa: BLE001 - every exchange is asked before raising
-            if first is None:
-                first = e
-            else:
-                first.add_note(f"and: {type(e).__name__}: {e}")
-    if first is not None:
-        raise first
+    _raise_errors(pgas_exchanges(module), wait)
 
 
 class _StaticTensor:
@@ -292,7 +279,7 @@ class CapturedStep:
                 e.add_note("The step was replayed with a negative length: every rank raises PgasInputError for it.")
             raise
         self._replay()
-        _raise_all(self._exchanges, wait=False)
+        _raise_errors(self._exchanges, wait=False)
         return self._outputs
 
     def _replay(self) -> None:
@@ -373,13 +360,16 @@ def capture(
             _wait(fn(*(s.arg() for s in inputs)))
     torch.cuda.current_stream().wait_stream(side)
     exchanges = pgas_exchanges(model)
-    _raise_all(exchanges, wait=True)  # the warm-up's errors, not the first replay's
+    _raise_errors(exchanges, wait=True)  # the warm-up's errors, not the first replay's
     before = [ex.step_counters() for ex in exchanges]
     graph = torch.cuda.CUDAGraph()
     try:
         # thread_local: NVSHMEM's proxy and a process group's watchdog may call CUDA
         # from their own threads meanwhile; this thread's syncs still fail the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # On the warm-up's stream: what the exchanges keep per stream (scratch made and
+        # initialised at first use) is then made eagerly, not inside this graph, where
+        # a second graph captured on the same stream would find it uninitialised.
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             outputs = _wait(fn(*(s.arg() for s in inputs)))
     except Exception as e:
         error = _capture_error(e)

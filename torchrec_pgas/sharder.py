@@ -40,7 +40,7 @@ from torchrec_pgas.sharding.batch_checks import (
     send_problem,
 )
 from torchrec_pgas.sharding.dists import send_ids
-from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
+from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, TwFeature, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
@@ -119,6 +119,7 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         host's."""
         if len(input) == 1 and not kwargs and self._steps_directly(input[0]):
             exchanges = self._pgas_exchanges
+            raise_errors(exchanges)  # what earlier steps reported, before this one starts
             with torch.no_grad():  # as TorchRec's input dists run
                 steps = [send_ids(x, input[0]) for x in exchanges]
             batches = [x.recv_ids(step) for x, step in zip(exchanges, steps)]
@@ -171,6 +172,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         waiting, or serving its next batch). Modules that run TorchRec's own sharding
         types agree on it by one small collective; modules of PGAS types only send the
         problem in place of the batch (their exchanges raise it on every rank)."""
+        # What earlier steps reported on GPUs (``Exchange.raise_errors``), raised before
+        # any of this step's sends: never in the middle of a step.
+        raise_errors([x for s in self._embedding_shardings if (x := getattr(s, "exchange", None)) is not None])
         if self._pgas_direct is None:
             self._pgas_direct = self._adopt_input_order(features)
         if self._pgas_direct and isinstance(features, KeyedJaggedTensor):

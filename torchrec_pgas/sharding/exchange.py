@@ -131,3 +131,21 @@ class Exchange(Protocol):
         batches on any rank, timeouts), oldest first, the same on every rank; with
         ``wait``, waits for every enqueued step first. Exchanges that check every
         step on the host before returning its output have nothing to raise here."""
+
+
+def raise_errors(exchanges: Sequence[Exchange], wait: bool = False) -> None:
+    """``raise_errors`` of every exchange in ``exchanges`` (those of one model, between
+    its steps): every one is asked before anything is raised, so one call raises every
+    error pending for a batch (the first, with the others as notes) and none is left
+    over for a later call."""
+    first: Optional[BaseException] = None
+    for exchange in exchanges:
+        try:
+            exchange.raise_errors(wait=wait)
+        except Exception as e:  # noqa: BLE001 - every exchange is asked before raising
+            if first is None:
+                first = e
+            else:
+                first.add_note(f"and: {type(e).__name__}: {e}")
+    if first is not None:
+        raise first

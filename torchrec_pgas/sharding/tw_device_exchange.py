@@ -277,7 +277,7 @@ class DeviceTwExchange(DeviceTwSetup):
                     put_path=self._peers.put_path,
                 )
         release_ids = buffers.hand_over(route.ids_step)  # False if released since
-        self._errors.make_room(self._out_step, self._read_record)
+        self._keep(self._errors.make_room(self._out_step))
         # A copy: the slot is reused two steps on, the output may live longer.
         pooled = torch.empty(route.my_batch, out.dim, dtype=self._out_dtype, device=self._dev)
         output_take(
@@ -303,7 +303,8 @@ class DeviceTwExchange(DeviceTwSetup):
             # the receive under autograd has read one already).
             self._check(route)
         else:
-            self.raise_errors()
+            # Raised between steps (``raise_errors``), not in the middle of one.
+            self._keep(self._errors.finished(self._out_step, wait=False))
         return pooled
 
     # -------------------------------------------------------------- gradients

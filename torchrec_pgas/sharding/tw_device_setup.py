@@ -24,8 +24,9 @@ from torchrec_pgas.sharding.device_routing import (
     TableWiseIds,
     first_batch_sizes,
 )
-from torchrec_pgas.sharding.step_records import StepRecords
+from torchrec_pgas.sharding.step_records import Record, StepRecords
 from torchrec_pgas.sharding.tw_base import BaseTwExchange
+from torchrec_pgas.transport.base import PgasError
 from torchrec_pgas.transport.device_buffers import BufferSizes, DeviceBuffers
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
 
@@ -71,6 +72,7 @@ class DeviceTwSetup(BaseTwExchange):
         # error record from this word on, then the ids step.
         self._err_at = transport.world_size * HEADER_WORDS
         self._errors = StepRecords(self._err_at + RECORD_WORDS, self._dev)
+        self._pending: List[PgasError] = []  # what finished steps reported, not raised yet
 
     def _allocate(self, batch_size: int, offsets: torch.Tensor) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective)."""
@@ -105,19 +107,29 @@ class DeviceTwSetup(BaseTwExchange):
 
     def _check(self, route: DeviceRoute) -> None:
         """Raises what the step's headers or the device-side waits report, now (one
-        sync; the records of earlier steps are read first, so errors come in order)."""
-        self._errors.check(self._out_step - 1, wait=True, read=self._read_record)
+        sync). Every rank raises here for this step alike; what earlier steps reported
+        is kept for the next ``raise_errors``."""
+        self._keep(self._errors.finished(self._out_step - 1, wait=True))
         self._errors.checked = self._out_step
-        self._read_record(self._out_step, route.record.tolist())
+        self._read_record(Record(self._out_step, route.record.tolist()))
 
-    def _read_record(self, out_step: int, record: List[int]) -> None:
-        """Raises what a step's record reports (``StepRecords.check``'s reader)."""
-        n = HEADER_WORDS
-        if record[self._err_at]:  # the error record's code word
-            self._t.check(self._name)
-        headers = [Header.decode(record[n * s : n * s + n]) for s in range(self._t.world_size)]
+    def _keep(self, records: Sequence[Record]) -> None:
+        """Keeps what ``records`` report, to be raised by ``raise_errors``."""
+        for record in records:
+            try:
+                self._read_record(record)
+            except PgasError as e:
+                self._pending.append(e)
+
+    def _read_record(self, record: Record) -> None:
+        """Raises what a step's record reports."""
+        words, n = record.words, HEADER_WORDS
+        err = words[self._err_at : self._err_at + 4]
+        if err[0]:  # the error record's code word
+            raise self._t.timeout_error(err, self._name)
+        headers = [Header.decode(words[n * s : n * s + n]) for s in range(self._t.world_size)]
         # The ids step, as the host exchange names it: output steps skip dropped ones.
-        step = record[self._err_at + RECORD_STEP]
+        step = words[self._err_at + RECORD_STEP]
         texts: Sequence[str] = ()
         if any(h.status == Status.FAILED for h in headers):
             assert self._buffers is not None and self._layout is not None
@@ -125,8 +137,15 @@ class DeviceTwSetup(BaseTwExchange):
         self._raise_for_bad_headers(headers, step, texts)
 
     def raise_errors(self, wait: bool = False) -> None:
-        """See ``Exchange.raise_errors``: reads the records of finished steps."""
-        self._errors.check(self._out_step, wait, self._read_record)
+        """See ``Exchange.raise_errors``: what the records of finished steps report,
+        the first error with the others as notes (each is raised once)."""
+        self._keep(self._errors.finished(self._out_step, wait))
+        if self._pending:
+            first, *rest = self._pending
+            self._pending = []
+            for e in rest:
+                first.add_note(f"and: {type(e).__name__}: {e}")
+            raise first
 
     def step_counters(self) -> Tuple[int, ...]:
         """See ``Exchange.step_counters``."""

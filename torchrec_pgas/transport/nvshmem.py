@@ -262,12 +262,16 @@ class NvshmemTransport(Transport):
         record = self.err.tolist()
         if record[0]:
             self.err.zero_()
-            what = _WHAT.get(record[2], "a signal")
-            raise PgasTimeoutError(
-                f"rank {self.rank}: timed out after {self._timeout_s:.1f} s on the GPU waiting "
-                f"for {what} from rank {record[1]} (a signal of at least {record[3]})"
-                + (f" in {context}" if context else "")
-            )
+            raise self.timeout_error(record, context)
+
+    def timeout_error(self, record: List[int], context: Optional[str] = None) -> PgasTimeoutError:
+        """The error an error record (``[code, peer, what, value]``, code set) reports."""
+        what = _WHAT.get(record[2], "a signal")
+        return PgasTimeoutError(
+            f"rank {self.rank}: timed out after {self._timeout_s:.1f} s on the GPU waiting "
+            f"for {what} from rank {record[1]} (a signal of at least {record[3]})"
+            + (f" in {context}" if context else "")
+        )
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
