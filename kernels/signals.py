@@ -5,7 +5,7 @@ launch's finished programs, and the count-in of stored rows, through a peer mapp
 NVSHMEM's own ``nvshmem_signal_wait_until`` cannot time out, and a kernel that spins
 forever hangs the process with no message. These helpers spin with an acquire load
 and give up after ``timeout_ns``, recording which wait failed in an error record that
-the host reads once per step (``[code, peer, what, value]``, int64).
+the step's record carries to the host (``[code, peer, what, value]``, int64).
 """
 
 import triton

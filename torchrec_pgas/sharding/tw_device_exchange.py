@@ -24,10 +24,12 @@ kernels, so the host only enqueues a handful of launches per step:
   requesters' output slots, as ``rows_put`` would.
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
-  requester's ``output_take`` waits for its count, copies its output out of the slot,
-  releases the slot (and the ids slots ``lookup_put`` pooled from) and copies the
-  transport's error record next to the step's headers, which the host reads in one
-  read-back (a second one only to report a timed-out wait).
+  requester's ``output_take`` waits for its count, copies its output out of the slot
+  (NaN for a bad step), releases the slot (and the ids slots ``lookup_put`` pooled
+  from) and copies the step's record into the ring in pinned host memory
+  (``step_records.py``): nothing is read back in an inference step, and what a step
+  reports is raised before a later step's first send (``raise_errors``). Under
+  autograd the step is checked before its output is returned (one read-back).
 * ``exchange_grads``: ``grads_put`` stores each owner's columns of the output gradient
   (divided as TorchRec divides them) straight into the owner's per-source slot; the
   owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
