@@ -34,7 +34,9 @@ kernels, so the host only enqueues a handful of launches per step:
   (divided as TorchRec divides them) straight into the owner's per-source slot; the
   owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
   takes without a copy, whose fused optimizer applies the update exactly as under
-  ``table_wise``. The owner releases them at its next backward, after FBGEMM's.
+  ``table_wise``. The slots have one generation (FBGEMM reads them in place, at one
+  address, which a CUDA graph needs): the owner releases them at its next backward,
+  before that step's puts.
 
 Peers without a peer mapping (other nodes; every peer with
 ``PgasOptions(remote_path="put")``) are served by the same launches compiled with
