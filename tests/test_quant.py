@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from dist_utils import make_tables, random_kjt, run_ranks
 from torch import nn
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec import EmbeddingBagCollection
 from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.modules.embedding_configs import PoolingType
 
@@ -155,20 +157,45 @@ def test_planner_constraints_place_quant_tables():
 
 def _check_bad_constraints(rank, world_size, seed):
     tables = make_tables(3, seed)
+    tables[2].num_embeddings = world_size - 1  # too few rows for a row block on every rank
     model = _Model(_quantized(tables, "int8", False, seed))
     cases = [
         ({"sharding_types": ["pgas_table_wise", "table_wise"]}, r"table 't1' name sharding type\(s\) \['table_wise'\]"),
-        ({"sharding_types": ["pgas_row_wise"]}, r"\['pgas_row_wise'\]; PgasQuantEmbeddingBagCollectionSharder offers"),
+        ({"sharding_types": ["pgas_row_wise", "row_wise"]}, r"table 't1' name sharding type\(s\) \['row_wise'\]"),
         ({"compute_kernels": ["fused"]}, r"compute kernel\(s\) \['fused'\]"),
     ]
     for kwargs, match in cases:
         constraints = {"t1": ParameterConstraints(**kwargs)}
         with pytest.raises(ValueError, match=match):
             shard_quant_model(model, dist.group.WORLD, constraints=constraints)
+    only_row_wise = {"t2": ParameterConstraints(sharding_types=["pgas_row_wise"])}
+    with pytest.raises(ValueError, match=rf"table 't2' allow only pgas_row_wise, but its {world_size - 1} rows leave"):
+        shard_quant_model(model, dist.group.WORLD, constraints=only_row_wise)
+    # A row-wise plan that is not TorchRec's row_wise over this world: refused, not
+    # served other than it reads.
+    params = {
+        "t0": ParameterSharding(sharding_type="pgas_row_wise", compute_kernel="quant", ranks=[0]),
+        "t1": ParameterSharding(sharding_type="pgas_table_wise", compute_kernel="quant", ranks=[0]),
+        "t2": ParameterSharding(sharding_type="pgas_table_wise", compute_kernel="quant", ranks=[world_size - 1]),
+    }
+    with pytest.raises(ValueError, match=r"table 't0' is planned on ranks \[0\]; a row-wise table has a row block"):
+        shard_quant_model(model, dist.group.WORLD, plan=ShardingPlan({"ebc": EmbeddingModuleShardingPlan(params)}))
+    # Every rank, but not row_wise's blocks: rank 0 all rows but one per other rank.
+    rows = tables[0].num_embeddings
+    sizes = [rows - world_size + 1] + [1] * (world_size - 1)
+    uneven = EnumerableShardingSpec(
+        [ShardMetadata([sum(sizes[:r]), 0], [sizes[r], 16], f"rank:{r}/cpu") for r in range(world_size)]
+    )
+    params["t0"] = ParameterSharding("pgas_row_wise", "quant", list(range(world_size)), uneven)
+    with pytest.raises(
+        ValueError,
+        match=rf"table 't0'.s plan has shards .* \(rank, first row, rows\) \[\(0, 0, {-(-rows // world_size)}\)",
+    ):
+        shard_quant_model(model, dist.group.WORLD, plan=ShardingPlan({"ebc": EmbeddingModuleShardingPlan(params)}))
     with pytest.raises(ValueError, match=r"tables \['nope'\] that no QuantEmbeddingBagCollection"):
         plan_quant_model(model, dist.group.WORLD, {"nope": ParameterConstraints(sharding_types=["pgas_table_wise"])})
     # A planner failure on rank 0 (no device can hold a table) raises on every rank too.
-    tiny = Topology(2, "cpu", hbm_cap=64, ddr_cap=64)
+    tiny = Topology(world_size, "cpu", hbm_cap=64, ddr_cap=64)
     with pytest.raises(RuntimeError, match="planning the quantized tables failed on rank 0"):
         plan_quant_model(model, dist.group.WORLD, topology=tiny)
     # Still collective afterwards: a good plan follows.
@@ -176,8 +203,9 @@ def _check_bad_constraints(rank, world_size, seed):
     assert {p.sharding_type for p in plan.get_plan_for_module("ebc").values()} == {"pgas_table_wise"}
 
 
-def test_bad_constraints_raise_on_every_rank():
-    run_ranks(_check_bad_constraints, 2, seed=23)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bad_constraints_raise_on_every_rank(world_size):
+    run_ranks(_check_bad_constraints, world_size, seed=23)
 
 
 def _check_row_wise(rank, world_size, dtype, pooling, weighted, seed):
@@ -243,3 +271,62 @@ def _check_row_wise_bad_ids(rank, world_size, seed):
 
 def test_row_wise_bad_input_raises_on_every_rank():
     run_ranks(_check_row_wise_bad_ids, 2, seed=41)
+
+
+def _check_planned_row_wise(rank, world_size, dtype, weighted, seed):
+    tables = make_tables(6, seed)
+    tables[5].num_embeddings = world_size - 1  # too few rows for a row block on every rank
+    ref = _quantized(tables, dtype, weighted, seed)
+    both = ["pgas_table_wise", "pgas_row_wise"]
+    asked = {"t0": ["pgas_row_wise"], "t1": ["pgas_table_wise"], "t2": ["pgas_row_wise"], "t4": both, "t5": both}
+    constraints = {t: ParameterConstraints(sharding_types=types) for t, types in asked.items()}
+    model = _Model(_quantized(tables, dtype, weighted, seed))
+    params = plan_quant_model(model, dist.group.WORLD, constraints).get_plan_for_module("ebc")
+    types = {t: p.sharding_type for t, p in params.items()}
+    # t3 names no type: table-wise, as before; t5 cannot be row-wise; t4: the planner's pick.
+    assert types == {**types, "t0": "pgas_row_wise", "t1": "pgas_table_wise", "t2": "pgas_row_wise"}, types
+    assert types["t3"] == "pgas_table_wise" and types["t5"] == "pgas_table_wise" and types["t4"] in both, types
+    assert {p.compute_kernel for p in params.values()} == {"quant"}
+    for t in tables:
+        p = params[t.name]
+        if p.sharding_type != "pgas_row_wise":
+            continue
+        # TorchRec's row_wise: ceil(rows / world) rows per rank in rank order, all columns.
+        block = -(-t.num_embeddings // world_size)
+        starts = [min(r * block, t.num_embeddings) for r in range(world_size + 1)]
+        assert p.ranks == list(range(world_size)), p.ranks
+        # Whole quantized rows: as many columns as the bytes TorchRec's sharder plans.
+        width = QuantEmbeddingBagCollectionSharder().shardable_parameters(model.ebc)[t.name].shape[1]
+        shards = [(s.placement.rank(), s.shard_offsets, s.shard_sizes) for s in p.sharding_spec.shards]
+        assert shards == [(r, [starts[r], 0], [starts[r + 1] - starts[r], width]) for r in range(world_size)], (
+            t,
+            shards,
+        )
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, types)
+    assert all(g == types for g in gathered), gathered
+
+    model = shard_quant_model(model, dist.group.WORLD, constraints=constraints)
+    row_wise = [t.name for t in tables if types[t.name] == "pgas_row_wise"]
+    assert [t.name for t in model.ebc.local_row_wise.embedding_bag_configs()] == row_wise
+    for step in range(3):
+        batch = 0 if (rank, step) == (world_size - 1, 1) else 2 + 3 * rank + step
+        kjt = random_kjt(tables, batch, seed + 10 * step + rank, weighted=weighted)
+        out, expected = model(kjt), ref(kjt)
+        assert out.keys() == expected.keys() and out.values().dtype == expected.values().dtype
+        got, want = out.to_dict(), expected.to_dict()
+        for t in tables:
+            (feature,) = t.feature_names
+            if types[t.name] == "pgas_row_wise":
+                torch.testing.assert_close(got[feature], want[feature], rtol=RW_RTOL, atol=RW_ATOL)
+            else:
+                assert torch.equal(got[feature], want[feature]), (t.name, step)
+
+
+@pytest.mark.parametrize("world_size,dtype,weighted", [(2, "int4", False), (3, "int8", True), (3, "fp16", False)])
+def test_planner_constraints_place_row_wise(world_size, dtype, weighted):
+    """ParameterConstraints naming pgas_row_wise for some quantized tables and
+    pgas_table_wise for others: the plan names them so, with TorchRec's row_wise
+    row blocks on every rank, and the sharded module serves it, row-wise tables
+    within fp32 rounding of the unsharded quantized module, table-wise ones exactly."""
+    run_ranks(_check_planned_row_wise, world_size, dtype=dtype, weighted=weighted, seed=53 + world_size)

@@ -322,15 +322,17 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
 class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
     """TorchRec's sharder of ``QuantEmbeddingBagCollection`` (same shardable
     parameters and kernels, so TorchRec's plans and planner apply), offering
-    ``pgas_table_wise`` to TorchRec's planner. ``shard`` also takes plans naming
-    ``pgas_row_wise`` for some tables (a row block on every rank)."""
+    ``pgas_table_wise`` and ``pgas_row_wise`` (a row block on every rank, laid out as
+    TorchRec's ``row_wise``) to TorchRec's planner. A planner handed this sharder
+    directly picks between the two for every table; ``plan_quant_model`` keeps
+    tables table-wise (bit for bit) unless their constraints ask for row-wise."""
 
     def __init__(self, options: Optional[PgasOptions] = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._pgas_options = options or PgasOptions()
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [PGAS_TABLE_WISE]
+        return [PGAS_TABLE_WISE, PGAS_ROW_WISE]
 
     def shard(  # type: ignore[override]
         self,
@@ -342,23 +344,63 @@ class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder)
     ) -> PgasQuantEmbeddingBagCollection:
         if not isinstance(env, ShardingEnv) or env.process_group is None:
             raise ValueError(f"{PGAS_TABLE_WISE}: a ShardingEnv with the process group of every rank is needed")
-        return PgasQuantEmbeddingBagCollection(module, _plan_owners(params), env.process_group, self._pgas_options)
+        owners = _plan_owners(params, module.embedding_bag_configs(), env.world_size)
+        return PgasQuantEmbeddingBagCollection(module, owners, env.process_group, self._pgas_options)
 
     @property
     def module_type(self) -> Type[QuantEmbeddingBagCollection]:
         return QuantEmbeddingBagCollection
 
 
-def _plan_owners(params: Mapping[str, ParameterSharding]) -> Dict[str, Placement]:
+def _plan_owners(
+    params: Mapping[str, ParameterSharding], configs: Sequence[EmbeddingBagConfig], world_size: int
+) -> Dict[str, Placement]:
     """table name -> placement from one module's plan: the rank of a
-    ``pgas_table_wise`` table, ``PGAS_ROW_WISE`` for a ``pgas_row_wise`` one."""
+    ``pgas_table_wise`` table, ``PGAS_ROW_WISE`` for a ``pgas_row_wise`` one.
+
+    The module cuts a row-wise table's blocks itself (``_row_blocks``), so a plan
+    whose ranks or row shards say otherwise (one made for another world size, or by
+    a planner laying row-wise out differently) would be served other than it reads:
+    it is refused instead."""
     served = (PGAS_TABLE_WISE, PGAS_ROW_WISE)
     wrong = {t: p.sharding_type for t, p in params.items() if p.sharding_type not in served}
     if wrong:
         raise ValueError(f"{PGAS_TABLE_WISE}: this sharder serves only {list(served)} tables, not {wrong}")
+    tables = {t.name: t for t in configs}
+    for name, p in sorted(params.items()):
+        if p.sharding_type == PGAS_ROW_WISE and name in tables:
+            _check_row_wise_sharding(tables[name], p, world_size)
     return {
         t: PGAS_ROW_WISE if p.sharding_type == PGAS_ROW_WISE else int((p.ranks or [0])[0]) for t, p in params.items()
     }
+
+
+def _check_row_wise_sharding(table: EmbeddingBagConfig, p: ParameterSharding, world_size: int) -> None:
+    """Raises unless ``p`` puts ``table``'s rows on every rank in the blocks of
+    TorchRec's ``row_wise`` (the ones ``_row_blocks`` cuts): rank r holds rows
+    ``[sum(blocks[:r]), sum(blocks[:r + 1]))``, whole (every column of the quantized
+    rows, whose width the planner counts in bytes, not embedding dims)."""
+    every_rank = list(range(world_size))
+    if p.ranks is not None and list(p.ranks) != every_rank:
+        raise ValueError(
+            f"{PGAS_ROW_WISE}: table {table.name!r} is planned on ranks {list(p.ranks)}; "
+            f"a row-wise table has a row block on every rank of the world, {every_rank}"
+        )
+    if p.sharding_spec is None:
+        return
+    shards = p.sharding_spec.shards  # type: ignore[attr-defined]
+    blocks = _row_blocks(table, world_size)
+    expected = [(r, sum(blocks[:r]), blocks[r]) for r in every_rank]
+    found = sorted(
+        (s.placement.rank() if s.placement is not None else -1, s.shard_offsets[0], s.shard_sizes[0]) for s in shards
+    )
+    whole_rows = all(s.shard_offsets[1] == 0 for s in shards) and len({s.shard_sizes[1] for s in shards}) == 1
+    if found != expected or not whole_rows:
+        raise ValueError(
+            f"{PGAS_ROW_WISE}: table {table.name!r}'s plan has shards (offsets, sizes) "
+            f"{[(s.shard_offsets, s.shard_sizes) for s in shards]} on ranks {[r for r, _, _ in found]}; "
+            f"TorchRec's row_wise over {world_size} ranks gives (rank, first row, rows) {expected}, whole rows"
+        )
 
 
 def _quant_modules(model: nn.Module) -> List[Tuple[str, QuantEmbeddingBagCollection]]:
@@ -398,6 +440,38 @@ def _check_constraints(
             )
 
 
+def _planner_constraints(
+    model: nn.Module, constraints: Mapping[str, ParameterConstraints], world_size: int
+) -> Dict[str, ParameterConstraints]:
+    """The constraints the planner gets: ``constraints``, with every quantized table
+    whose constraint names no sharding type kept ``pgas_table_wise``, and
+    ``pgas_row_wise`` taken out for tables too small to give every rank rows.
+
+    Row-wise output is the unsharded module's only up to fp32 rounding, table-wise
+    output is it bit for bit, so row-wise is served where a constraint asks for it,
+    never by default. A table of fewer rows than a row block per rank would leave a
+    rank without rows, which the sharded module refuses; the planner would not know.
+
+    Raises:
+        ValueError: a constraint allows only ``pgas_row_wise`` for such a table.
+    """
+    out = dict(constraints)
+    for _, m in _quant_modules(model):
+        for t in m.embedding_bag_configs():
+            c = constraints.get(t.name) or ParameterConstraints()
+            types = list(c.sharding_types or [PGAS_TABLE_WISE])
+            if PGAS_ROW_WISE in types and 0 in _row_blocks(t, world_size):
+                types.remove(PGAS_ROW_WISE)
+                if not types:
+                    raise ValueError(
+                        f"ParameterConstraints for quantized table {t.name!r} allow only {PGAS_ROW_WISE}, but its "
+                        f"{t.num_embeddings} rows leave a rank of {world_size} without rows "
+                        f"(ceil(rows / {world_size}) per rank); allow {PGAS_TABLE_WISE} too"
+                    )
+            out[t.name] = dataclasses.replace(c, sharding_types=types)
+    return out
+
+
 def plan_quant_model(
     model: nn.Module,
     pg: dist.ProcessGroup,
@@ -408,22 +482,27 @@ def plan_quant_model(
     """TorchRec's ``EmbeddingShardingPlanner`` plan for the ``QuantEmbeddingBagCollection``
     modules of ``model`` under ``PgasQuantEmbeddingBagCollectionSharder`` (kernel
     ``quant``, storage from the quantized rows), honouring ``constraints`` (table name
-    -> ``ParameterConstraints``). ``topology`` defaults to ``pg``'s ranks as CPU
-    devices. Collective, as ``EmbeddingShardingPlanner.collective_plan``: rank 0 plans
-    and broadcasts; bad constraints, and any planner failure, raise on every rank.
+    -> ``ParameterConstraints``). A table is planned ``pgas_row_wise`` only where its
+    constraint's ``sharding_types`` name it (with ``pgas_table_wise`` beside it, the
+    planner's cost model picks); tables naming no type are planned
+    ``pgas_table_wise``. ``topology`` defaults to ``pg``'s ranks as CPU devices.
+    Collective, as ``EmbeddingShardingPlanner.collective_plan``: rank 0 plans and
+    broadcasts; bad constraints, and any planner failure, raise on every rank.
 
     Raises:
-        ValueError: a constraint names a table no quantized module has, or a sharding
-            type or kernel the quant sharder does not offer.
+        ValueError: a constraint names a table no quantized module has, a sharding
+            type or kernel the quant sharder does not offer, or only
+            ``pgas_row_wise`` for a table with fewer rows than that needs.
         RuntimeError: the planner found no plan (its message, on every rank).
     """
     sharder = PgasQuantEmbeddingBagCollectionSharder(options=options)
     _check_constraints(model, constraints or {}, sharder)
     world_size = dist.get_world_size(pg)
+    planned = _planner_constraints(model, constraints or {}, world_size)
     topology = topology or Topology(world_size=world_size, compute_device="cpu")
     if topology.world_size != world_size:
         raise ValueError(f"topology has {topology.world_size} ranks, the process group {world_size}")
-    planner = make_planner(topology, dict(constraints or {}))
+    planner = make_planner(topology, planned)
     result: List[object] = [None]
     if dist.get_rank(pg) == 0:
         try:
@@ -447,8 +526,8 @@ def shard_quant_model(
     topology: Optional[Topology] = None,
 ) -> nn.Module:
     """Replaces, in place, every ``QuantEmbeddingBagCollection`` of ``model`` (the
-    output of TorchRec's ``quantize_embeddings``) by its ``pgas_table_wise`` sharding
-    over ``pg``; returns ``model``, whose forward is unchanged. The placement, one of:
+    output of TorchRec's ``quantize_embeddings``) by its ``pgas_table_wise`` and/or
+    ``pgas_row_wise`` sharding over ``pg``; returns ``model``, whose forward is unchanged. The placement, one of:
     ``owners`` (table name -> rank, or ``"pgas_row_wise"`` for a row block on every
     rank, for the tables of every such module); ``plan`` (a TorchRec ``ShardingPlan``
     keyed by module path, ``pgas_table_wise`` and/or ``pgas_row_wise``);
@@ -468,7 +547,7 @@ def shard_quant_model(
             params = plan.get_plan_for_module(name)
             if params is None:
                 raise ValueError(f"shard_quant_model: the plan has no entry for module {name!r}")
-            placed = _plan_owners(params)  # type: ignore[arg-type]
+            placed = _plan_owners(params, m.embedding_bag_configs(), world_size)  # type: ignore[arg-type]
         elif owners is not None:
             placed = {t: r for t, r in owners.items() if t in names}
         else:
