@@ -72,7 +72,6 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.rows_put import PUT_ROWS
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
-from torchrec_pgas.kernels.step_clock import RECORD_STEP
 
 #: One warp per bag, as FBGEMM.
 BLOCK_B = 2
@@ -260,8 +259,7 @@ _launcher = Launcher(lookup_put_kernel)
 
 def lookup_put(
     ids: torch.Tensor,
-    record: torch.Tensor,
-    at: int,
+    ids_step: torch.Tensor,
     clock_out: torch.Tensor,
     offsets: torch.Tensor,
     features: torch.Tensor,
@@ -280,8 +278,8 @@ def lookup_put(
     put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch_capacity, COUNT_B) * COUNT_B / BLOCK_B, S, F)`` programs (see the module
-    docstring) for the ids step in ``record[at + RECORD_STEP]`` (``record``: the step's,
-    ``bag_offsets``') and the output step after ``clock_out[0]``. With ``put_path``,
+    docstring) for the ids step in ``ids_step[0]`` (the step's record's word, which
+    ``bag_offsets`` wrote) and the output step after ``clock_out[0]``. With ``put_path``,
     ``out_addrs`` is the ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer
     mapping are served through NVSHMEM (which must be initialized)."""
     depth, S, F = out_addrs.size(0), out_addrs.size(-1), features.size(0)
@@ -292,7 +290,7 @@ def lookup_put(
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
     _launcher[grid](
         ids,
-        record[at + RECORD_STEP :],
+        ids_step,
         clock_out,
         offsets,
         features,

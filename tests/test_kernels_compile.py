@@ -485,8 +485,7 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
             layout = IdsSlotLayout.__new__(IdsSlotLayout)
             lookup_put.lookup_put(
                 i64,
-                i64,
-                0,
+                i64[:1],
                 i64[:1],
                 i64,
                 torch.zeros(1, 4, dtype=torch.int64),

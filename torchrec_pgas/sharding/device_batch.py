@@ -48,6 +48,7 @@ class SlotsLookup:
     stay held until then."""
 
     offsets: torch.Tensor  # int64: the bags' offsets in the slots (``bag_offsets``)
+    ids_step: torch.Tensor  # int64 [1]: the ids step on the device (the record's word)
     step: int  # the ids step
     stream: int  # the stream the batch was laid out on (a raw handle)
 

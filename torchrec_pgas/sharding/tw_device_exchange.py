@@ -190,7 +190,7 @@ class DeviceTwExchange(DeviceTwSetup):
             if self._fused.enabled and not torch.is_grad_enabled():
                 # The lookup pools straight from the slots: they stay held until then.
                 buffers.hold(step, ids_step)
-                batch.from_slots = SlotsLookup(offsets, step, stream)
+                batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
                 return batch
             batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets)
         # Everything is read (stream ordered): release the slots to their sources.
@@ -225,16 +225,14 @@ class DeviceTwExchange(DeviceTwSetup):
             # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
             lookup.offsets.record_stream(torch.cuda.current_stream(self._dev))
         tables = None if torch.is_grad_enabled() else self._fused.rows(emb_modules)
-        record = batch.route.record
         if tables is None:
-            batch.groups = self._groups.kjts(buffers.ids, record[self._err_at + RECORD_STEP :], lookup.offsets)
+            batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets)
             buffers.release_held()
             return None
         self._out_step += 1
         lookup_put(
             buffers.ids,
-            record,
-            self._err_at,
+            lookup.ids_step,
             buffers.clock[OUT : OUT + 1],
             lookup.offsets,
             tables,
