@@ -64,12 +64,12 @@ MIXED_PAIR = ("table_wise+row_wise", "pgas_table_wise+pgas_row_wise")
 MIXED_FALLBACK = ("table_wise", "pgas_table_wise+pgas_row_wise")
 
 
-#: Why TorchRec's side has no graphed times (``--cuda-graph``).
 #: Why our training step is not captured (``report`` shows n/a).
 OURS_TRAIN_NOT_GRAPHED = (
     "n/a: FBGEMM's backward sorts the whole index tensor, so the lookup under autograd "
     "holds exactly the batch's ids, whose count is read back to the host"
 )
+#: Why TorchRec's side has no graphed times (``--cuda-graph``).
 TORCHREC_NOT_GRAPHED = (
     "n/a: its input dist reads the all-to-all's split sizes back to the host "
     "(SplitsAllToAllAwaitable), which a CUDA graph cannot capture"
@@ -150,11 +150,8 @@ def _measure(cfg: Config, sharding: str, device: torch.device, pg, args, graphed
     infer, inputs = workload.dlrm_inference(model), list(zip(dense, kjts))
     times["dlrm_ms"] = _median(infer, inputs, device, pg, args)
     if graphed:
-        try:
-            times[report.graphed("dlrm_ms")], diff = _graphed(infer, inputs, model, device, pg, args, compare=True)
-            diffs.append(diff)
-        except RuntimeError as e:  # reported as n/a: the DLRM is the model's last use
-            print(f"rank {rank}: the DLRM inference was not captured: {e}", flush=True)
+        times[report.graphed("dlrm_ms")], diff = _graphed(infer, inputs, model, device, pg, args, compare=True)
+        diffs.append(diff)
     del model, infer
     gc.collect()  # the models' buffers go back before the next configuration
     return Measured(times, first, max(diffs))
