@@ -23,6 +23,7 @@ from torchrec_pgas.sharding_plan import pgas_table_wise
 from torchrec_pgas.testing import load_unsharded_state_dict
 from torchrec_pgas.transport import Mailbox
 from torchrec_pgas.transport.host import HostTransport
+from torchrec_pgas.types import PgasOptions
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, kwargs: Dict[str, Any]) -> None:
@@ -163,6 +164,18 @@ def random_kjt(
         lengths=torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64),
         weights=torch.rand(v.numel(), generator=g) if weighted else None,
     )
+
+
+def in_order(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
+    """``kjt`` with its features in the order ``keys``."""
+    return kjt.permute([kjt.keys().index(k) for k in keys])
+
+
+def shared_gpu_options(world_size: int) -> PgasOptions:
+    """Options of the GPU tests whose ranks share one GPU: peer mappings at world size 1,
+    NVSHMEM puts between ranks (peer mappings between processes sharing a GPU are not
+    reliable beyond two, see test_gpu_shared.py)."""
+    return PgasOptions(timeout_s=60) if world_size == 1 else PgasOptions(timeout_s=60, remote_path="put")
 
 
 def shard(

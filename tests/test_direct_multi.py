@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dist_utils import (
     assert_close_to_reference,
     assert_same_kt,
+    in_order,
     make_tables,
     pgas_tw,
     random_kjt,
@@ -69,10 +70,6 @@ def _row_wise(world_size: int, tables) -> List[str]:
     return [t.name for t, k in zip(tables, KINDS[world_size]) if k[0] == "rw"]
 
 
-def _in_order(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
-    return kjt.permute([kjt.keys().index(k) for k in keys])
-
-
 class _TorchRecInputDists:
     """Counts, per module, the calls of TorchRec's input dist (the permute and split
     the direct path does without) in this process."""
@@ -118,7 +115,7 @@ def _forward(rank, world_size, order, pooling, weighted):
         for step in range(4):
             # Uneven batch sizes, empty bags; at step 3 rank 0 has no sample at all.
             batch_size = 0 if step == 3 and rank == 0 else BATCH_SIZES[world_size][rank] + step
-            kjt = _in_order(random_kjt(tables, batch_size, 1000 * seed + 10 * step + rank, weighted), keys)
+            kjt = in_order(random_kjt(tables, batch_size, 1000 * seed + 10 * step + rank, weighted), keys)
             with torch.no_grad() if step == 2 else torch.enable_grad():
                 out = pgas(kjt)
                 assert_same_kt(out, forced(kjt), exact=True)
@@ -130,7 +127,7 @@ def _forward(rank, world_size, order, pooling, weighted):
                     expected = reference_pooled(tables, ref.state_dict(), kjt, _row_wise(world_size, tables))
                     assert_close_to_reference(out.to_dict(), expected)
         # TorchRec's pipelines call the input dist and the rest apart: the same outputs.
-        kjt = _in_order(random_kjt(tables, 3 + rank, 77 + rank, weighted), keys)
+        kjt = in_order(random_kjt(tables, 3 + rank, 77 + rank, weighted), keys)
         ebc = pgas.module.ebc
         ctx = ebc.create_context()
         piped = ebc.compute_and_output_dist(ctx, ebc.input_dist(ctx, kjt).wait().wait()).wait()
@@ -163,7 +160,7 @@ def _train(rank, world_size, optimizer):
     keys = list(reversed([f for t in tables for f in t.feature_names]))
     for step in range(4):
         # One batch size on every rank: TorchRec's row_wise backward on gloo takes no other.
-        kjt = _in_order(random_kjt(tables, 3 + step, 100 * step + rank), keys)
+        kjt = in_order(random_kjt(tables, 3 + step, 100 * step + rank), keys)
         outs = []
         for model in (pgas, forced, torchrec):
             g = torch.Generator().manual_seed(step)
@@ -221,7 +218,7 @@ def _pipeline(rank, world_size):
     keys = list(reversed([f for t in tables for f in t.feature_names]))
     batches = []
     for i in range(5):
-        kjt = _in_order(random_kjt(tables, 3 + i % 2, 10 * i + rank), keys)
+        kjt = in_order(random_kjt(tables, 3 + i % 2, 10 * i + rank), keys)
         dense = torch.randn(kjt.stride(), width, generator=torch.Generator().manual_seed(i + 100 * rank))
         batches.append(Batch(dense_features=dense, sparse_features=kjt, labels=torch.zeros(kjt.stride())))
     pipeline = TrainPipelineSparseDist(piped, piped.fused_optimizer, torch.device("cpu"))
@@ -301,7 +298,7 @@ def _several_modules(rank, world_size):
     keys2 = ["h2", "h0", "h1"]
     for step in range(3):
         kjt = random_kjt(tables, BATCH_SIZES[world_size][rank] + step, 10 * step + rank)
-        kjt2 = _in_order(random_kjt(tables2, 2 + rank + step, 500 + 10 * step + rank), keys2)
+        kjt2 = in_order(random_kjt(tables2, 2 + rank + step, 500 + 10 * step + rank), keys2)
         out, out2 = pgas(kjt, kjt2)
         expected, expected2 = torchrec(kjt, kjt2)
         assert_same_kt(out, expected, exact=False)
@@ -345,7 +342,7 @@ def _negative_length(kjt):
 
 def _missing_key(kjt):
     keep = kjt.keys()[:-1]
-    return _in_order(kjt, keep)
+    return in_order(kjt, keep)
 
 
 def _torn_weights(kjt):
@@ -377,7 +374,7 @@ def _bad_batch(rank, world_size, case):
     keys = list(reversed([f for t in tables for f in t.feature_names]))
 
     def batch(seed, batch_size=3):
-        return _in_order(random_kjt(tables, batch_size, seed, weighted=True), keys)
+        return in_order(random_kjt(tables, batch_size, seed, weighted=True), keys)
 
     make_bad, message = BAD[case]
     spoil = make_bad(tables)
@@ -434,7 +431,7 @@ def _second_send_fails(rank, world_size):
     keys = list(reversed([f for t in tables for f in t.feature_names]))
 
     def check(step):
-        kjt = _in_order(random_kjt(tables, 2 + rank + step, 10 * step + rank), keys)
+        kjt = in_order(random_kjt(tables, 2 + rank + step, 10 * step + rank), keys)
         out = pgas(kjt)
         assert_same_kt(out, torchrec(kjt), exact=False)
         assert_close_to_reference(out.to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
@@ -450,7 +447,7 @@ def _second_send_fails(rank, world_size):
 
         second._check = failing
     with pytest.raises(PgasInputError, match=r"rank 1 could not send its batch: RuntimeError: injected failure"):
-        pgas(_in_order(random_kjt(tables, 3, 50 + rank), keys))
+        pgas(in_order(random_kjt(tables, 3, 50 + rank), keys))
     for step in range(1, 3):
         check(step)
     assert pgas.module.ebc._pgas_direct is True

@@ -31,6 +31,7 @@ from dist_utils import (  # noqa: E402
     reference_pooled,
     run_ranks,
     shard,
+    shared_gpu_options,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torch import nn  # noqa: E402
@@ -46,7 +47,6 @@ from torchrec_pgas.sharding.step_records import RING_ENTRIES  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict, load_unsharded_state_dict  # noqa: E402
-from torchrec_pgas.types import PgasOptions  # noqa: E402
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -55,12 +55,6 @@ DEADLINE_S = 240
 
 #: Layouts of four tables: the tables sharded pgas_row_wise (the others pgas_table_wise).
 LAYOUTS = {"tw": (), "rw": ("t0", "t1", "t2", "t3"), "mix": ("t1", "t3")}
-
-
-def _options(world_size):
-    """Peer mappings at world size 1; NVSHMEM puts between ranks sharing a GPU (peer
-    mappings between such processes are not reliable beyond two, see test_gpu_shared)."""
-    return PgasOptions(timeout_s=60) if world_size == 1 else PgasOptions(timeout_s=60, remote_path="put")
 
 
 def _placement(tables, world_size, row_wise):
@@ -74,7 +68,7 @@ def _sharded(world_size, tables, layout, weighted=False, fused=None, wrapper=Non
     torch.cuda.set_device(GPU)
     torch.manual_seed(0)
     ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=CPU)
-    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=_options(world_size))
+    sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=shared_gpu_options(world_size))
     placement = _placement(tables, world_size, LAYOUTS[layout])
     model = shard(ref, placement, world_size, sharder, device=GPU, local_size=1, wrapper=wrapper)
     return ref, model
@@ -188,7 +182,7 @@ def _dlrm(rank, world_size, layout):
     )
     dlrm.inter_arch.to(GPU)  # its indices are made on the CPU, copied at every step otherwise
     unsharded = copy.deepcopy(dlrm).to(CPU)
-    sharder = PgasEmbeddingBagCollectionSharder(options=_options(world_size))
+    sharder = PgasEmbeddingBagCollectionSharder(options=shared_gpu_options(world_size))
     plan = construct_module_sharding_plan(
         dlrm.sparse_arch.embedding_bag_collection,
         per_param_sharding=_placement(tables, world_size, LAYOUTS[layout]),

@@ -25,14 +25,16 @@ pytest.importorskip("nvshmem.core")
 
 from dist_utils import (  # noqa: E402
     assert_close_to_reference,
+    in_order,
     pgas_tw,
     random_kjt,
     reference_pooled,
     run_ranks,
     shard,
+    shared_gpu_options,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType  # noqa: E402
 from torchrec.distributed import embeddingbag  # noqa: E402
 
 from torchrec_pgas.graphs import raise_errors  # noqa: E402
@@ -41,7 +43,6 @@ from torchrec_pgas.sharding.rw_device_exchange import DeviceRwExchange  # noqa: 
 from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
-from torchrec_pgas.types import PgasOptions  # noqa: E402
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -74,12 +75,6 @@ def _tables() -> List[EmbeddingBagConfig]:
     ]
 
 
-def _options(world_size: int) -> PgasOptions:
-    """Peer mappings at world size 1; NVSHMEM puts between ranks sharing a GPU (see
-    test_gpu_graphs.py)."""
-    return PgasOptions(timeout_s=60) if world_size == 1 else PgasOptions(timeout_s=60, remote_path="put")
-
-
 class _TorchRecInputDists:
     """Counts the calls of TorchRec's input dist (the permute and split the direct path
     does without) in this process."""
@@ -104,14 +99,10 @@ def _pair(world_size: int, weighted: bool, fused=None):
     ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=CPU)
     rw = pgas_row_wise(compute_kernel="fused")
     placement = {n: rw if kind == "rw" else pgas_tw(kind % world_size) for n, *_, kind in TABLES}
-    gpu_sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=_options(world_size))
+    gpu_sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=shared_gpu_options(world_size))
     gpu = shard(ref, placement, world_size, gpu_sharder, device=GPU, local_size=1)
     host = shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder(fused_params=fused))
     return tables, ref, gpu, host
-
-
-def _in_order(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
-    return kjt.permute([kjt.keys().index(k) for k in keys])
 
 
 def _assert_direct(model, keys: List[str]) -> None:
@@ -140,7 +131,7 @@ def _forward(rank: int, world_size: int, weighted: bool) -> None:
         calls = counter.calls
         for step in range(4):
             batch_size = [9, 4][rank] + 3 * step  # uneven, fresh; empty bags in them
-            kjt = _in_order(random_kjt(tables, batch_size, 100 * step + rank, weighted), keys)
+            kjt = in_order(random_kjt(tables, batch_size, 100 * step + rank, weighted), keys)
             with torch.no_grad() if step % 2 else torch.enable_grad():
                 out = {k: v.detach() for k, v in gpu(kjt.to(GPU)).to_dict().items()}
                 on_host = host(kjt).to_dict()
@@ -169,7 +160,7 @@ def _train(rank: int, world_size: int) -> None:
     tables, ref, gpu, host = _pair(world_size, False, fused)
     keys = ORDERS["scattered"]
     for step in range(4):
-        kjt = _in_order(random_kjt(tables, [12, 5][rank], 300 + 10 * step + rank), keys)
+        kjt = in_order(random_kjt(tables, [12, 5][rank], 300 + 10 * step + rank), keys)
         outs = []
         for model, dev in ((gpu, GPU), (host, CPU)):
             kt = model(kjt.to(dev)).to_dict()
@@ -202,7 +193,7 @@ def _no_host_sync(rank: int, world_size: int) -> None:
     and Triton's own calls are not)."""
     tables, ref, gpu, _ = _pair(world_size, True)
     keys = ORDERS["scattered"]
-    kjts = [_in_order(random_kjt(tables, [10, 7][rank] + i, 500 + 10 * i + rank, True), keys) for i in range(6)]
+    kjts = [in_order(random_kjt(tables, [10, 7][rank] + i, 500 + 10 * i + rank, True), keys) for i in range(6)]
     on_gpu = [k.to(GPU) for k in kjts]
     outs: List[Dict[str, torch.Tensor]] = []
     with torch.no_grad():
