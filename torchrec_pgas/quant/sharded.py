@@ -14,6 +14,18 @@ Tables may instead be served ``pgas_row_wise`` (``RwExchange``): every rank hold
 the row block TorchRec's ``row_wise`` gives it, pools it with the same kernel, and
 the requester adds the owners' partial sums in rank order. Those sums are the
 unsharded ones up to fp32 rounding (other order of additions), not bit for bit.
+
+A module on a GPU is served one process per GPU by the float path's GPU exchanges
+(``DeviceTwExchange``, ``DeviceRwExchange``: NVSHMEM puts from Triton kernels). The
+owner receives its lookup groups as fixed-shape KJTs (``world * batch_capacity`` bags
+per feature, those past a source's batch empty) and pools them with the same FBGEMM
+modules, called directly: TorchRec's quantized forward would split the KJT by reading
+its lengths back to the host, which a step on GPUs never does (so it can be captured
+in a CUDA graph, ``torchrec_pgas.graphs.capture``). Each bag is still pooled by the
+same kernel over the same rows in the same order, so table-wise output equals the
+unsharded module's on the same GPU bit for bit. As on the float path, a bad batch is
+found on the device and raised on every rank at the start of a later forward (or by
+``torchrec_pgas.graphs.raise_errors(model, wait=True)``), its step's output NaN.
 """
 
 import copy
@@ -23,6 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
@@ -33,9 +46,10 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
+from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
-from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup
+from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
 from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import TwExchange
@@ -88,7 +102,7 @@ def _check_plan(
 ) -> None:
     """Raises unless ``owners`` places every table of ``module`` on a rank of the world
     or row-wise over it, each of a row-wise table's row blocks has rows, and the module
-    is one this path serves (CPU)."""
+    is one this path serves (on the CPU or a GPU)."""
     problems = sorted(set(t.name for t in configs) ^ set(owners))
     if problems:
         raise ValueError(f"{PGAS_TABLE_WISE}: owners must name every table of the module once; differ: {problems}")
@@ -107,9 +121,9 @@ def _check_plan(
             f"{PGAS_ROW_WISE}: tables {empty} leave a rank without rows (ceil(rows / {world_size}) per rank); "
             "place them on one rank instead"
         )
-    if module.device.type != "cpu":
+    if module.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"{PGAS_TABLE_WISE}: quantized tables are served on CPU ranks only so far, not {module.device}"
+            f"{PGAS_TABLE_WISE}: quantized tables are served on CPU or CUDA ranks, not {module.device}"
         )
 
 
@@ -140,19 +154,66 @@ def _local_module(
     module: QuantEmbeddingBagCollection,
     tables: Sequence[EmbeddingBagConfig],
     weights: Mapping[str, Tuple[torch.Tensor, Optional[torch.Tensor]]],
+    device: torch.device,
 ) -> Optional[QuantEmbeddingBagCollection]:
-    """TorchRec's own quantized module (FBGEMM's int-N kernel) of ``tables``, built
-    from ``weights`` (quantized rows, scale/bias) cut from the unsharded module's."""
+    """TorchRec's own quantized module (FBGEMM's int-N kernel) of ``tables`` on
+    ``device``, built from ``weights`` (quantized rows, scale/bias) cut from the
+    unsharded module's.
+
+    On a GPU its FBGEMM modules skip their bounds check: the GPU exchange's index
+    tensors have the ids slots' capacity, longer than the bags, and FBGEMM's check
+    would stretch the last bag over the rest; every id was checked by its source."""
     if not tables:
         return None
-    return QuantEmbeddingBagCollection(
+    local = QuantEmbeddingBagCollection(
         tables=list(tables),
         is_weighted=module.is_weighted(),
-        device=torch.device("cpu"),
+        device=device,
         output_dtype=module.output_dtype(),
         table_name_to_quantized_weights={t.name: weights[t.name] for t in tables},
         row_alignment=module.row_alignment,
     )
+    if device.type == "cuda":
+        for tbe in local._emb_modules:
+            tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+    return local
+
+
+def _group_sizes(tables: Sequence[EmbeddingBagConfig]) -> List[int]:
+    """The number of features of each FBGEMM module of a ``QuantEmbeddingBagCollection``
+    of ``tables`` (in ``_lookup_order``): the GPU exchange's lookup groups."""
+    sizes: Dict[object, int] = defaultdict(int)
+    for t in tables:
+        sizes[(t.pooling, getattr(t, "use_virtual_table", False))] += t.num_features()
+    return list(sizes.values())
+
+
+def _pool_groups(
+    local: QuantEmbeddingBagCollection, groups: Sequence[KeyedJaggedTensor], weighted: bool
+) -> torch.Tensor:
+    """The pooled rows of the GPU exchange's lookup groups (one per FBGEMM module of
+    ``local``, in its order), side by side: ``local``'s forward without its split of
+    the batch by feature, which reads the lengths back to the host. The ids and
+    offsets go in as int32, as TorchRec's quantized forward gives them on GPUs."""
+    outs = [
+        tbe(
+            indices=kjt.values().int(),
+            offsets=kjt.offsets().int(),
+            per_sample_weights=kjt.weights() if weighted else None,
+        )
+        for tbe, kjt in zip(local._emb_modules, groups)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class _ServedExchange(PgasShardingMixin):
+    """One exchange of a ``PgasQuantEmbeddingBagCollection``, listed in its
+    ``_embedding_shardings`` as a sharded TorchRec module lists its PGAS shardings:
+    ``torchrec_pgas.graphs`` (``capture``, ``raise_errors``) finds a model's exchanges
+    there. Only ``exchange`` is meant to be read."""
+
+    def __init__(self, exchange: Exchange) -> None:  # noqa: D107 - no sharding to set up
+        self._exchange = exchange
 
 
 class PgasQuantEmbeddingBagCollection(nn.Module):
@@ -162,18 +223,22 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
     placed by ``owners`` (table name -> rank holding it whole, or ``"pgas_row_wise"``:
     every rank holds the row block TorchRec's ``row_wise`` gives it).
 
-    Table-wise tables go through a ``TwExchange`` and equal the unsharded module's
-    output bit for bit. Row-wise tables go through an ``RwExchange``: each owner pools
-    its rows with FBGEMM's int-N kernel and the requester adds the partial sums in rank
-    order, so their sums differ from FBGEMM's single pass by rounding (fp32 additions
-    in another order), not exactly equal.
+    Table-wise tables go through a ``TwExchange`` (``DeviceTwExchange`` for a module
+    on a GPU) and equal the unsharded module's output bit for bit. Row-wise tables go
+    through an ``RwExchange`` (``DeviceRwExchange``): each owner pools its rows with
+    FBGEMM's int-N kernel and the requester adds the partial sums in rank order, so
+    their sums differ from FBGEMM's single pass by rounding (fp32 additions in another
+    order), not exactly equal.
 
     Every rank of ``pg`` must build it from the same module (the same tables and
-    weights) with the same ``owners`` and ``options``, and call it for every batch:
-    like the float path, a step is collective. A bad batch on any rank (unknown
-    features, ids out of a table's range, negative lengths, missing per-sample
-    weights) raises the same ``PgasInputError`` on every rank, and the next batch is
-    served normally.
+    weights, on the CPU or on its own GPU) with the same ``owners`` and ``options``,
+    and call it for every batch: like the float path, a step is collective. A bad
+    batch on any rank (unknown features, ids out of a table's range, negative
+    lengths, missing per-sample weights) raises the same ``PgasInputError`` on every
+    rank, and the next batch is served normally. On CPU ranks the step that had it
+    raises; on GPUs nothing waits for the device, as on the float path: the bad step's
+    output is NaN on every rank, and every rank raises at the start of a later
+    forward, or at ``torchrec_pgas.graphs.raise_errors(model, wait=True)``.
     """
 
     def __init__(
@@ -190,7 +255,17 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         _check_plan(module, configs, owners, world_size)
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
-        transport = get_transport(pg, torch.device("cpu"), options)
+        device = module.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._pg = pg
+        transport = get_transport(pg, device, options)
+        if transport.device.type != device.type:
+            raise ValueError(
+                f"{PGAS_TABLE_WISE}: a quantized module on {device} needs a transport on it; "
+                f"PgasOptions(transport={options.transport!r}) gave one on {transport.device}"
+            )
         weights = _table_weights(module)
         # (exchange, its input features in order, this rank's pooling module)
         self._parts: List[Tuple[TwExchange, List[str], str]] = []
@@ -204,15 +279,17 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 [TwFeature(name=f, table=t.name, num_embeddings=t.num_embeddings) for t in ts for f in t.feature_names]
                 for ts in per_rank
             ]
-            exchange = TwExchange(
-                transport=transport,
+            exchange = self._exchange(
+                TwExchange,
+                transport,
+                _group_sizes(per_rank[rank]),
                 features_per_rank=features_per_rank,
                 dim_sum_per_rank=[sum(t.embedding_dim * t.num_features() for t in ts) for ts in per_rank],
                 out_dtype=self._out_dtype,
                 headroom=options.headroom,
                 name=PGAS_TABLE_WISE,
             )
-            self.local = _local_module(module, copy.deepcopy(per_rank[rank]), weights)
+            self.local = _local_module(module, copy.deepcopy(per_rank[rank]), weights, device)
             self._parts.append((exchange, [f.name for fs in features_per_rank for f in fs], "local"))
             blocks.extend(per_rank)
 
@@ -220,8 +297,17 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         if row_wise:
             rows = {t.name: _row_blocks(t, world_size) for t in row_wise}
             features = [TwFeature(f, t.name, t.num_embeddings) for t in row_wise for f in t.feature_names]
-            exchange = RwExchange(
-                transport=transport,
+            # This rank's row block of each table, pooled by sum: the exchange divides
+            # the whole sum for mean tables (partial means could not be added).
+            start = {t.name: sum(rows[t.name][:rank]) for t in row_wise}
+            mine = [
+                dataclasses.replace(copy.deepcopy(t), num_embeddings=rows[t.name][rank], pooling=PoolingType.SUM)
+                for t in row_wise
+            ]
+            exchange = self._exchange(
+                RwExchange,
+                transport,
+                _group_sizes(mine),
                 features=features,
                 local_rows=[[rows[f.table][r] for f in features] for r in range(world_size)],
                 dims=[t.embedding_dim for t in row_wise for _ in t.feature_names],
@@ -230,13 +316,6 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 headroom=options.headroom,
                 name=PGAS_ROW_WISE,
             )
-            # This rank's row block of each table, pooled by sum: the exchange divides
-            # the whole sum for mean tables (partial means could not be added).
-            start = {t.name: sum(rows[t.name][:rank]) for t in row_wise}
-            mine = [
-                dataclasses.replace(copy.deepcopy(t), num_embeddings=rows[t.name][rank], pooling=PoolingType.SUM)
-                for t in row_wise
-            ]
             block_weights = {
                 t.name: tuple(
                     w[start[t.name] : start[t.name] + t.num_embeddings] if w is not None else None
@@ -244,21 +323,54 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 )
                 for t in mine
             }
-            self.local_row_wise = _local_module(module, mine, block_weights)  # type: ignore[arg-type]
+            self.local_row_wise = _local_module(module, mine, block_weights, device)  # type: ignore[arg-type]
             self._parts.append((exchange, [f.name for f in features], "local_row_wise"))
             blocks.append(row_wise)
 
         # The float path's output dist: puts the pooled rows, and divides the summed
         # rows of row-wise mean tables (``MeanAfterSum``'s divisor) once they are summed.
         self._output_dists = [
-            PgasPooledEmbeddingDist(exchange, PGAS_ROW_WISE if isinstance(exchange, RwExchange) else PGAS_TABLE_WISE)
-            for exchange, _, _ in self._parts
+            PgasPooledEmbeddingDist(exchange, PGAS_ROW_WISE if name == "local_row_wise" else PGAS_TABLE_WISE)
+            for exchange, _, name in self._parts
         ]
+        # Where ``torchrec_pgas.graphs`` finds the exchanges (CUDA graphs, deferred errors).
+        self._embedding_shardings = [_ServedExchange(exchange) for exchange, _, _ in self._parts]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
+        self._feature_rows = _feature_rows(configs)
         self._batch_keys: Optional[List[str]] = None
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
+        # GPUs: whether batches go to every exchange whole (decided on the first).
+        self._direct: Optional[bool] = None if device.type == "cuda" else False
         self._keys = list(module._embedding_names)
-        self._length_per_key, self._columns = _output_columns(configs, blocks, self._keys)
+        self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
+        self._columns = columns.to(device) if columns is not None else None
+
+    def _exchange(
+        self, host_type: Type[TwExchange], transport: object, group_sizes: List[int], **args: object
+    ) -> TwExchange:
+        """``host_type`` (``TwExchange``, ``RwExchange``) of ``args`` on the host
+        transport, its GPU counterpart on NVSHMEM's. The GPU one hands the owner its
+        lookup groups' KJTs (``fused_lookup=False``: its own pooling kernel reads
+        float rows, not quantized ones), whose index tensors FBGEMM reads only as far
+        as the bags go (``_local_module`` turns its bounds check off)."""
+        if self._device.type != "cuda":
+            return host_type(transport=transport, **args)  # type: ignore[arg-type]
+        from torchrec_pgas.sharding.rw_device_exchange import DeviceRwExchange
+        from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
+
+        device_type = DeviceRwExchange if host_type is RwExchange else DeviceTwExchange
+        return device_type(  # type: ignore[return-value]
+            transport=transport,
+            group_sizes=group_sizes,
+            weighted=self._is_weighted,
+            lookup_reads_only_bags=True,
+            fused_lookup=False,
+            **args,
+        )
+
+    @property
+    def _exchanges(self) -> List[TwExchange]:
+        return [exchange for exchange, _, _ in self._parts]
 
     def _problem(self, features: KeyedJaggedTensor) -> Optional[str]:
         problem = module_batch_problem(features, self._batch_keys, self._needed)
@@ -266,9 +378,35 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             problem = "per-sample weights are missing: the module's tables are weighted"
         return problem
 
+    def _adopt_input_order(self, features: KeyedJaggedTensor) -> bool:
+        """On GPUs, at the first batch, collectively: whether batches go whole to
+        every exchange from now on, in this batch's feature order, each exchange
+        picking and checking its features on the device (no permute, which reads the
+        lengths back to the host): if every rank's batch has the module's features, in
+        the same order, and every exchange can route that order. Else every batch
+        takes the host's checks and permutes (as on CPU ranks), which synchronize."""
+        eligible = isinstance(features, KeyedJaggedTensor) and not features.variable_stride_per_key()
+        keys = list(features.keys()) if eligible else None
+        everyone: List[Optional[List[str]]] = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(everyone, keys, group=self._pg)
+        if keys is None or any(k != keys for k in everyone) or set(keys) != set(self._needed):
+            return False
+        if not all(x.takes_input_order(keys) for x in self._exchanges):
+            return False
+        for x in self._exchanges:
+            adopted = x.adopt_input_order(keys, self._feature_rows)
+            assert adopted, "an exchange refused the input order it said it takes"
+        return True
+
     def _send(self, features: KeyedJaggedTensor) -> List[int]:
         """Sends each exchange its features of ``features``, or, if the batch cannot be
         served, its problem in their place: then every rank raises for this step."""
+        if self._direct is None:
+            self._direct = self._adopt_input_order(features)
+        if self._direct:
+            # Each exchange checks the whole batch on the device and sends its problem,
+            # if any, in its place.
+            return [send_ids(exchange, features) for exchange in self._exchanges]
         problem = self._problem(features)
         if problem is not None:
             return [
@@ -288,35 +426,56 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             steps.append(send_ids(exchange, part))
         return steps
 
+    def _pool(self, local: Optional[QuantEmbeddingBagCollection], batch: LookupInput) -> torch.Tensor:
+        """This owner's pooled rows of every source's bags of ``batch`` (in the
+        exchange's lookup order), by ``local`` (None: the rank owns none)."""
+        if isinstance(batch, HostBatch):
+            if local is None:
+                return torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
+            return local(batch.kjt).values()
+        if local is None:
+            return torch.empty(batch.stride(), 0, dtype=self._out_dtype, device=self._device)
+        return _pool_groups(local, batch.groups, self._is_weighted)  # type: ignore[attr-defined]
+
     @torch.no_grad()
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools ``features``: the unsharded module's output, from this rank's batch."""
+        # What earlier steps reported on GPUs, before any of this step's sends: never
+        # in the middle of a step (nothing on the host exchanges, which raise in the
+        # step that had it).
+        raise_errors(self._exchanges)
         steps = self._send(features)
         # Every exchange takes its step, even after another's raised, so that all
         # stay in step for the next batch.
-        batches: List[HostBatch] = []
+        batches: List[LookupInput] = []
         error: Optional[Exception] = None
         for (exchange, _, _), step in zip(self._parts, steps):
             try:
-                batch = exchange.recv_ids(step)
-                assert isinstance(batch, HostBatch)
-                batches.append(batch)
+                batches.append(exchange.recv_ids(step))
             except Exception as e:  # noqa: BLE001 - raised below, once every exchange has its step
                 error = error or e
         if error is not None:
             raise error
         outs = []
         for (_, _, local_name), output_dist, batch in zip(self._parts, self._output_dists, batches):
-            local: Optional[QuantEmbeddingBagCollection] = getattr(self, local_name)
-            if local is not None:
-                embs = local(batch.kjt).values()
-            else:
-                embs = torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
+            embs = self._pool(getattr(self, local_name), batch)
             outs.append(output_dist.pooled(PooledLookup(embs, batch.route)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self._columns is not None:
             out = out.index_select(1, self._columns)
         return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
+
+
+def _feature_rows(configs: Sequence[EmbeddingBagConfig]) -> List[TwFeature]:
+    """Every feature of the module with the rows its ids index: those of its table
+    with the fewest, where several pool it (what an exchange given the whole batch
+    checks every feature's ids against)."""
+    rows: Dict[str, TwFeature] = {}
+    for t in configs:
+        for f in t.feature_names:
+            if f not in rows or t.num_embeddings < rows[f].num_embeddings:
+                rows[f] = TwFeature(f, t.name, t.num_embeddings)
+    return list(rows.values())
 
 
 class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
