@@ -254,7 +254,7 @@ class _Regression(nn.Module):
 
 
 def _train_step(model, optimizer):
-    """One training step: forward, backward (FBGEMM's fused optimizer updates the tables
+    """One training step: forward, backward (the tables' fused optimizer updates them
     in it), the dense optimizer's step."""
 
     def step(kjt, target):
@@ -302,11 +302,6 @@ def _train(rank, world_size, layout):
     dist.barrier()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a training step cannot be captured yet: under autograd the owner's lookup reads the ids' count "
-    "back to the host (FBGEMM's backward sorts its whole index tensor); seen on one H200",
-)
 @pytest.mark.parametrize("layout", ["tw", "rw"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_captured_training_matches_eager(world_size, layout):
@@ -398,3 +393,48 @@ def _no_host_sync(rank, world_size, layout):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_eager_inference_steps_do_not_sync_with_the_host(world_size, layout):
     run_ranks(_no_host_sync, world_size, layout=layout, deadline_s=DEADLINE_S)
+
+
+def _no_host_sync_training(rank, world_size, layout):
+    """Eager training steps (forward, backward with the tables' fused update, the dense
+    optimizer's step) after the first two under ``set_sync_debug_mode("error")``, with
+    weights equal to the same steps run with the host allowed to wait."""
+    tables = make_tables(4, seed=21)
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
+    runs = {}
+    for how in ("free", "checked"):
+        ref, model = _sharded(world_size, tables, layout, fused=fused, wrapper=_Regression)
+        runs[how] = (model, _train_step(model, torch.optim.SGD(model.module.dense.parameters(), lr=0.05)))
+    g = torch.Generator().manual_seed(rank)
+    batches = [
+        (
+            random_kjt(tables, 10 + 3 * rank, 600 + 10 * i + rank).to(GPU),
+            torch.randn(10 + 3 * rank, generator=g).to(GPU),
+        )
+        for i in range(6)
+    ]
+    losses = {"free": [], "checked": []}
+    for i, batch in enumerate(batches):
+        losses["checked"].append(runs["checked"][1](*batch))
+        raise_errors(runs["checked"][0], wait=True)
+        if i == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            losses["free"].append(runs["free"][1](*batch))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    raise_errors(runs["free"][0], wait=True)
+    torch.testing.assert_close(torch.stack(losses["free"]), torch.stack(losses["checked"]), rtol=1e-6, atol=1e-6)
+    like = ref.state_dict()
+    weights = {how: gather_unsharded_state_dict(m, like, prefix="ebc.") for how, (m, _) in runs.items()}
+    for name, w in weights["checked"].items():
+        torch.testing.assert_close(weights["free"][name].cpu(), w.cpu(), rtol=1e-6, atol=1e-6, msg=name)
+        assert not torch.equal(w.cpu(), like[name]), f"{name} was not trained"
+    dist.barrier()
+
+
+@pytest.mark.parametrize("layout", ["tw", "rw"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_eager_training_steps_do_not_sync_with_the_host(world_size, layout):
+    run_ranks(_no_host_sync_training, world_size, layout=layout, deadline_s=DEADLINE_S)

@@ -39,6 +39,7 @@ from torchrec import (  # noqa: E402
     PoolingType,
 )
 
+from torchrec_pgas.graphs import raise_errors  # noqa: E402
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
@@ -214,8 +215,12 @@ def _bad_batches(rank, world_size):
                 tw_device_exchange.send_input = fails
             match = f"rank {bad_rank}" + (".*RuntimeError: prepared to fail" if kjt_bad is None else "")
             try:
+                # Under autograd, as in inference, the device finds the bad batch: every
+                # rank raises by ``raise_errors`` at the latest (the host path of the bad
+                # rank, at once).
                 with pytest.raises(PgasInputError, match=match):
                     gpu(kjt.to(GPU)).to_dict()
+                    raise_errors(gpu, wait=True)
             finally:
                 tw_device_exchange.send_input = real
             nxt = random_kjt(tables, 5 + 3 * rank, 70 * i + rank)

@@ -31,8 +31,10 @@ from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
+from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
+from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, SENTINEL, update_keys_kernel  # noqa: E402
 
 
 def _bitcode() -> str:
@@ -304,6 +306,46 @@ CASES = {
             "BLOCK": "constexpr",
         },
         [{"HAS_WEIGHTS": w, "SPLIT": 32, "BLOCK": 1024, "DEPTH": 2} for w in (True, False)],
+    ),
+    "update_keys": (
+        update_keys_kernel,
+        {
+            "offsets_ptr": "*i64",
+            "indices_ptr": "*i64",
+            "features_ptr": "*i64",
+            "keys_ptr": "*i64",
+            "bag_of_ptr": "*i64",
+        },
+        [{"SENTINEL": SENTINEL, "FEATURE_WORDS": FEATURE_WORDS, "BLOCK": 1024}],
+    ),
+    "row_update": (
+        row_update_kernel,
+        {
+            "keys_ptr": "*i64",
+            "order_ptr": "*i64",
+            "bag_of_ptr": "*i64",
+            "offsets_ptr": "*i64",
+            "weights_ptr": "*fp32",
+            "features_ptr": "*i64",
+            "grad_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            "state_ptr": "*fp32",
+            "record_ptr": "*i64",
+        },
+        [
+            {
+                "OPTIM": optim,
+                "WEIGHTED": weighted,
+                "SENTINEL": SENTINEL,
+                "FEATURE_WORDS": FEATURE_WORDS,
+                "HEADER_WORDS": 8,
+                "OK": 0,
+                "PER_PROGRAM": 16,
+                "BLOCK_D": 128,
+            }
+            for optim in (0, 1)
+            for weighted in (False, True)
+        ],
     ),
 }
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):

@@ -62,7 +62,9 @@ def k():
         lookup_put,
         output_take,
         row_buckets,
+        row_update,
         rows_put,
+        update_keys,
     )
 
     class Kernels:
@@ -71,7 +73,7 @@ def k():
     Kernels.ids_check, Kernels.ids_header = ids_check, ids_header
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
-    Kernels.output_take = output_take
+    Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
     return Kernels
 
 
@@ -727,3 +729,139 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
                 else:
                     assert torch.equal(got, acc.to(out_dtype)), (s, f, i)
                 start += int(lengths[f, i])
+
+
+def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, seed: int):
+    """FBGEMM's own table-batched module on the CPU (the oracle of ``row_update``)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+        WeightDecayMode,
+    )
+
+    rows = [7 + 5 * t for t in range(len(dims))]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in zip(rows, dims)],
+        feature_table_map=table_of,
+        optimizer=getattr(EmbOptimType, optimizer),
+        learning_rate=0.05,
+        eps=1e-2,
+        weight_decay=0.03 if wd_mode else 0.0,
+        weight_decay_mode=WeightDecayMode(wd_mode),
+        pooling_mode=PoolingMode.MEAN if mean else PoolingMode.SUM,
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        tbe.weights_host.copy_(torch.randn(tbe.weights_host.shape, generator=g))
+        if optimizer != "EXACT_SGD":
+            tbe.momentum1_host.copy_(torch.rand(tbe.momentum1_host.shape, generator=g))
+    return tbe, rows
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "optimizer,weighted,mean,wd_mode",
+    [
+        ("EXACT_SGD", False, False, 0),
+        ("EXACT_SGD", True, False, 0),
+        ("EXACT_ROWWISE_ADAGRAD", False, False, 0),
+        ("EXACT_ROWWISE_ADAGRAD", True, False, 0),
+        ("EXACT_ROWWISE_ADAGRAD", False, True, 0),
+        ("EXACT_ROWWISE_ADAGRAD", True, False, 1),
+        ("EXACT_ROWWISE_ADAGRAD", False, True, 2),
+    ],
+)
+def test_row_update_matches_fbgemm_fused_backward(k, seed, optimizer, weighted, mean, wd_mode):
+    """The fused sparse update of a padded, fixed-capacity index tensor equals a float64
+    reference of FBGEMM's GPU update and, without weight decay (which FBGEMM's CPU
+    kernel ignores), FBGEMM's fused backward of exactly the batch's ids (weights and
+    optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
+    empty bags. A bad step's record leaves everything as it was."""
+    dims = [8, 16, 4]
+    # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
+    table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
+    tbe, rows = _fbgemm_cpu_tbe(optimizer, dims, table_of, mean, wd_mode, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    F, B = len(table_of), 5 + seed
+    lengths = torch.randint(0, 6, (F * B,), generator=g)
+    lengths[torch.rand(F * B, generator=g) < 0.3] = 0
+    per_feature = lengths.view(F, B).sum(1)
+    # Skewed ids: a third of them the table's row 1.
+    values = torch.cat([torch.randint(0, rows[table_of[f]], (int(per_feature[f]),), generator=g) for f in range(F)])
+    values[torch.rand(values.numel(), generator=g) < 0.3] = 1
+    offsets = _offsets(lengths)
+    psw = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
+    grad = torch.randn(B, sum(dims[t] for t in table_of), generator=g)
+
+    adagrad = optimizer != "EXACT_SGD"
+    w0 = tbe.weights_host.detach().clone()
+    m0 = tbe.momentum1_host.detach().clone() if adagrad else torch.empty(0)
+    # Ours first, on copies, with the index tensor padded past the batch's ids.
+    pad = 9
+    indices = torch.cat([values, torch.randint(-5, 1000, (pad,), generator=g)])
+    psw_in = torch.cat([psw, torch.rand(pad, generator=g)]) if weighted else torch.empty(1)
+    D_off = tbe.D_offsets.tolist()
+    state_at = tbe.momentum1_offsets.tolist() if adagrad else [0] * F
+    features = torch.tensor(
+        [[int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], D_off[f], int(mean), state_at[f]] for f in range(F)],
+        dtype=torch.int64,
+    )
+    keys = torch.empty_like(indices)
+    bag_of = torch.empty_like(indices)
+    k.update_keys.update_keys(offsets, indices, features, keys, bag_of, B)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    S = 3
+
+    def run(record):
+        table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
+        k.row_update.row_update(
+            sorted_keys, order, bag_of, offsets, psw_in, features, grad, table, state, record, B, S,
+            max(dims), k.row_update.SGD if optimizer == "EXACT_SGD" else k.row_update.ROWWISE_ADAGRAD,
+            0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode, weighted,
+        )  # fmt: skip
+        return table, state
+
+    ok_record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)
+    ok_record[: S * HEADER_WORDS : HEADER_WORDS] = int(Status.OK)
+    table, state = run(ok_record)
+    bad_record = ok_record.clone()
+    bad_record[HEADER_WORDS] = int(Status.ID_OUT_OF_RANGE)
+    assert torch.equal(run(bad_record)[0], w0)
+
+    # The float64 reference: per row, the batch-order sum of its occurrences' gradients.
+    ref_w, ref_m = w0.double().clone(), m0.double().clone()
+    summed = {}
+    for f in range(F):
+        dim, col = int(features[f, 1]), int(features[f, 2])
+        for b in range(B):
+            lo, hi = int(offsets[f * B + b]), int(offsets[f * B + b + 1])
+            for p in range(lo, hi):
+                scale = (float(psw[p]) if weighted else 1.0) / ((hi - lo) if mean else 1)
+                key = int(features[f, 0]) + int(values[p]) * dim
+                row = grad[b, col : col + dim].double() * scale
+                summed[key] = (summed[key][0] + row, f) if key in summed else (row, f)
+    lr, eps, wd = 0.05, 1e-2, 0.03 if wd_mode else 0.0
+    for key, (gsum, f) in summed.items():
+        dim = int(features[f, 1])
+        w = ref_w[key : key + dim]
+        if not adagrad:
+            w -= lr * gsum
+            continue
+        g2 = gsum + wd * w if wd_mode == 1 else gsum
+        at = int(features[f, 4]) + (key - int(features[f, 0])) // dim
+        ref_m[at] += (g2 * g2).mean()
+        mult = lr / (ref_m[at].sqrt() + eps)
+        c = 1 - mult * wd if wd_mode == 1 else 1 - lr * wd if wd_mode == 2 else 1.0
+        w.copy_(c * w - mult * gsum)
+    assert not torch.equal(ref_w.float(), w0)
+    torch.testing.assert_close(table, ref_w.float(), rtol=1e-6, atol=1e-6)
+    if adagrad:
+        torch.testing.assert_close(state, ref_m.float(), rtol=1e-6, atol=1e-6)
+    if wd_mode == 0:
+        tbe(values, offsets, per_sample_weights=psw).backward(grad)
+        torch.testing.assert_close(table, tbe.weights_host.detach(), rtol=1e-6, atol=1e-6)
+        if adagrad:
+            torch.testing.assert_close(state, tbe.momentum1_host.detach(), rtol=1e-6, atol=1e-6)

@@ -232,13 +232,15 @@ class LookupGroups:
         self._bags = [f * world * rows for f in self._first + [len(self._features)]]
         self._bags_dev = torch.tensor(self._bags, dtype=torch.int64, device=device)
 
-    def kjts(self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor) -> List[KeyedJaggedTensor]:
+    def kjts(
+        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, for_fbgemm_backward: bool
+    ) -> List[KeyedJaggedTensor]:
         """The lookup groups' KJTs of a step, gathered from its slots (in ``ids``, the
         mailbox, at the generation of the step in ``step``, an int64 word)."""
         layout, world, bags = self._layout, self._world, self._bags
-        # FBGEMM's backward sorts the whole index tensor: under autograd it must
-        # hold exactly the batch's ids, the one size this rank then reads back.
-        exact = self._exact_always or torch.is_grad_enabled()
+        # FBGEMM's backward sorts the whole index tensor: for it, the tensor must hold
+        # exactly the batch's ids, the one size this rank then reads back.
+        exact = self._exact_always or for_fbgemm_backward
         if exact:
             at = offsets.index_select(0, self._bags_dev).tolist()
         groups = []

@@ -78,6 +78,7 @@ from torchrec_pgas.sharding.device_batch import (
     send_input,
 )
 from torchrec_pgas.sharding.device_routing import MAX_RUNS
+from torchrec_pgas.sharding.fused_update import PendingUpdate
 from torchrec_pgas.sharding.tw_device_setup import DeviceTwSetup
 from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.device_buffers import GRAD_DEPTH
@@ -178,21 +179,24 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.err,
             self._t.timeout_ns,
         )
+        training = torch.is_grad_enabled()
         route = DeviceRoute(
             record=record,
             my_batch=self._my_batches.popleft(),
             step=step,
             divisor=divisor,
-            check_now=torch.is_grad_enabled(),
+            check_now=training,
         )
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
-            if self._fused.enabled and not torch.is_grad_enabled():
-                # The lookup pools straight from the slots: they stay held until then.
+            if self._fused.enabled and (not training or self._update.enabled):
+                # The lookup pools straight from the slots: they stay held until then
+                # (``lookup_put`` decides whether the step is checked now).
                 buffers.hold(step, ids_step)
                 batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
+                route.check_now = False
                 return batch
-            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets)
+            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, training)
         # Everything is read (stream ordered): release the slots to their sources.
         buffers.release(ids_step)
         return batch
@@ -207,10 +211,11 @@ class DeviceTwExchange(DeviceTwSetup):
 
     def lookup_put(self, batch: LookupBatch, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
         """Pools every requester's bags from the slots of ``batch.from_slots`` and puts
-        the rows (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); or,
-        under autograd or for tables it cannot read, fills ``batch.groups`` for
-        TorchRec's lookup, releases the slots and returns None (as for a batch whose
-        groups the receive filled)."""
+        the rows (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); in
+        training, also gathers the step's ids for the fused update of its backward
+        (``fused_update.py``). For tables it cannot read or update, fills
+        ``batch.groups`` for TorchRec's lookup, releases the slots and returns None (as
+        for a batch whose groups the receive filled)."""
         lookup, batch.from_slots = batch.from_slots, None
         if lookup is None:
             return None
@@ -224,11 +229,21 @@ class DeviceTwExchange(DeviceTwSetup):
         if driver.active.get_current_stream(self._dev.index) != lookup.stream:
             # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
             lookup.offsets.record_stream(torch.cuda.current_stream(self._dev))
-        tables = None if torch.is_grad_enabled() else self._fused.rows(emb_modules)
-        if tables is None:
-            batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets)
+        training = torch.is_grad_enabled()
+        tables = self._fused.rows(emb_modules)
+        updates = self._update.groups(emb_modules) if training and tables is not None else None
+        if tables is None or (training and updates is None):
+            batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, training)
+            # Before FBGEMM's backward can apply a bad step's gradients.
+            batch.route.check_now = training
             buffers.release_held()
             return None
+        update = None
+        if updates is not None:
+            ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, False)
+            update = PendingUpdate(
+                self._update, updates, ids, batch.route.record, batch.bags_per_feature, self._t.world_size
+            )
         self._out_step += 1
         lookup_put(
             buffers.ids,
@@ -251,7 +266,9 @@ class DeviceTwExchange(DeviceTwSetup):
         )
         # The slots stay held until the output's take releases them.
         batch.route.ids_step = step
-        return self._no_rows
+        if update is None:
+            return self._no_rows
+        return update.output(self._all_rows)
 
     # ----------------------------------------------------------------- output
 

@@ -24,6 +24,7 @@ from torchrec_pgas.sharding.device_routing import (
     TableWiseIds,
     first_batch_sizes,
 )
+from torchrec_pgas.sharding.fused_update import FusedUpdate
 from torchrec_pgas.sharding.step_records import Record, StepRecords
 from torchrec_pgas.sharding.tw_base import BaseTwExchange
 from torchrec_pgas.transport.base import PgasError
@@ -65,6 +66,7 @@ class DeviceTwSetup(BaseTwExchange):
         self._exact_always = not lookup_reads_only_bags
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
+        self._update = FusedUpdate(fused_lookup, weighted, self._dev)
         self._my_batches: Deque[int] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
         self._text: Optional[torch.Tensor] = None  # the message a failing send puts
@@ -97,8 +99,12 @@ class DeviceTwSetup(BaseTwExchange):
         self._groups = LookupGroups(
             features, self._group_sizes, self._weighted, self._exact_always, layout, world, self._dev
         )
-        # The lookup output of a step whose rows ``lookup_put`` put (none).
+        # The lookup output of a step whose rows ``lookup_put`` put (none); in training,
+        # a stand-in of the lookup output's shape, which only carries its gradient.
         self._no_rows = torch.empty(0, self._dims[me], dtype=self._out_dtype, device=self._dev)
+        self._all_rows = torch.zeros(1, dtype=self._out_dtype, device=self._dev).expand(
+            world * layout.batch_capacity, self._dims[me]
+        )
         self._take_done = torch.zeros(1, dtype=torch.int64, device=self._dev)
         # torch divides by a scalar as a multiplication by its fp32 reciprocal.
         self._grad_scale = float(torch.tensor(1.0) / world)

@@ -1,0 +1,194 @@
+"""The fused sparse update of one lookup group: the backward of the owner's lookup and
+its optimizer step in one launch, as FBGEMM's fused backward does, for ``EXACT_SGD``
+and ``EXACT_ROWWISE_ADAGRAD`` with fp32 weights.
+
+FBGEMM's backward cannot be captured with an index tensor of fixed capacity: it sorts
+every entry of the tensor, and the entries past the batch's ids hold nothing. Here the
+ids were keyed and sorted first (``update_keys``, then a stable sort, which puts every
+row's occurrences together in batch order and the unused positions last), so the update
+reads only the batch's ids and a captured step updates exactly the rows the batch read.
+
+Program ``p`` looks at sorted positions ``p * PER_PROGRAM ...``; at each position that
+starts a row's run it sums the run's gradient rows (each occurrence's bag's row of
+``grad`` at its feature's column, times its per-sample weight, over the bag's length
+for mean pooling; in fp32, in batch order) and applies the optimizer to the row:
+
+* ``SGD``: ``w -= lr * g``.
+* ``ROWWISE_ADAGRAD``: as FBGEMM: ``m += mean((g + wd * w)^2)`` with L2 weight decay
+  (mode 1), else ``mean(g^2)``; ``mult = lr / (sqrt(m) + eps)``; ``w = c * w - mult *
+  g`` with ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
+
+Nothing is updated for a bad step (a source's header in ``record`` is not ``OK``, or
+its error record holds an error): its outputs were NaN and the host raises for it.
+
+Buffers:
+    keys:      int64 [N]  the sorted keys (``update_keys``)
+    order:     int64 [N]  the sort's permutation: where each sorted key was
+    bag_of:    int64 [N]  each (unsorted) position's bag
+    offsets:   int64 [bags + 1]  the group's bag offsets
+    weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
+    features:  int64 [F, FEATURE_WORDS]  see ``update_keys``
+    grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
+               owner's lookup output; feature f's bags at rows ``0 ...`` and columns
+               ``features[f, COL] ...``
+    table:     float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
+    state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
+    record:    int64 [S * 8 + 4]  the step's headers, then its error record
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
+from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, SENTINEL
+
+PER_PROGRAM = 16
+NUM_WARPS = 4
+#: ``OPTIM`` values.
+SGD, ROWWISE_ADAGRAD = 0, 1
+_OK = Status.OK.value
+
+
+@triton.jit(do_not_specialize=["n", "bags_per_feature", "pitch", "num_sources", "weight_decay_mode"])
+def row_update_kernel(
+    keys_ptr,
+    order_ptr,
+    bag_of_ptr,
+    offsets_ptr,
+    weights_ptr,
+    features_ptr,
+    grad_ptr,
+    table_ptr,
+    state_ptr,
+    record_ptr,
+    n: tl.int64,
+    bags_per_feature: tl.int64,
+    pitch: tl.int64,
+    num_sources: tl.int64,
+    learning_rate: tl.float32,
+    eps: tl.float32,
+    weight_decay: tl.float32,
+    weight_decay_mode: tl.int64,
+    OPTIM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    FEATURE_WORDS: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    OK: tl.constexpr,
+    PER_PROGRAM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bad = (tl.load(record_ptr + num_sources * HEADER_WORDS) != 0).to(tl.int32)
+    for q in range(num_sources):
+        bad |= (tl.load(record_ptr + q * HEADER_WORDS) != OK).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    first = tl.program_id(0).to(tl.int64) * PER_PROGRAM
+    for i in range(PER_PROGRAM):
+        p = first + i
+        key = tl.load(keys_ptr + p, mask=p < n, other=SENTINEL)
+        before = tl.load(keys_ptr + p - 1, mask=(p > 0) & (p < n), other=SENTINEL)
+        if (key != SENTINEL) & (key != before) & (bad == 0):
+            f0 = tl.load(bag_of_ptr + tl.load(order_ptr + p)) // bags_per_feature
+            dim = tl.load(features_ptr + f0 * FEATURE_WORDS + 1)
+            inside = d < dim
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            j = p
+            more = p < n
+            while more:
+                pos = tl.load(order_ptr + j)
+                bag = tl.load(bag_of_ptr + pos)
+                f = bag // bags_per_feature
+                row = bag - f * bags_per_feature
+                col = tl.load(features_ptr + f * FEATURE_WORDS + 2)
+                scale = tl.full([], 1.0, tl.float32)
+                if WEIGHTED:
+                    scale = tl.load(weights_ptr + pos)
+                if tl.load(features_ptr + f * FEATURE_WORDS + 3) != 0:
+                    length = tl.load(offsets_ptr + bag + 1) - tl.load(offsets_ptr + bag)
+                    scale = scale * (1.0 / length.to(tl.float32))
+                g = tl.load(grad_ptr + row * pitch + col + d, mask=inside, other=0.0)
+                acc += g.to(tl.float32) * scale
+                j += 1
+                more = tl.load(keys_ptr + j, mask=j < n, other=SENTINEL) == key
+            w_ptr = table_ptr + key + d
+            w = tl.load(w_ptr, mask=inside, other=0.0)
+            if OPTIM == 0:
+                w = w - learning_rate * acc
+            else:
+                g2 = acc
+                if weight_decay_mode == 1:
+                    g2 = acc + weight_decay * w
+                g_avg_square = tl.sum(g2 * g2, axis=0) / dim.to(tl.float32)
+                table_at = tl.load(features_ptr + f0 * FEATURE_WORDS)
+                s_ptr = state_ptr + tl.load(features_ptr + f0 * FEATURE_WORDS + 4) + (key - table_at) // dim
+                m = tl.load(s_ptr) + g_avg_square
+                tl.store(s_ptr, m)
+                multiplier = learning_rate / (tl.sqrt_rn(m) + eps)
+                correction = tl.full([], 1.0, tl.float32)
+                if weight_decay_mode == 1:
+                    correction = 1.0 - multiplier * weight_decay
+                elif weight_decay_mode == 2:
+                    correction = 1.0 - learning_rate * weight_decay
+                w = correction * w - multiplier * acc
+            tl.store(w_ptr, w, mask=inside)
+
+
+_launcher = Launcher(row_update_kernel)
+
+
+def row_update(
+    keys: torch.Tensor,
+    order: torch.Tensor,
+    bag_of: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor,
+    features: torch.Tensor,
+    grad: torch.Tensor,
+    table: torch.Tensor,
+    state: torch.Tensor,
+    record: torch.Tensor,
+    bags_per_feature: int,
+    num_sources: int,
+    max_dim: int,
+    optim: int,
+    learning_rate: float,
+    eps: float,
+    weight_decay: float,
+    weight_decay_mode: int,
+    weighted: bool,
+) -> None:
+    """Launches ``cdiv(N, PER_PROGRAM)`` programs (see the module docstring)."""
+    n = keys.numel()
+    if n == 0:
+        return
+    _launcher[(cdiv(n, PER_PROGRAM),)](
+        keys,
+        order,
+        bag_of,
+        offsets,
+        weights,
+        features,
+        grad,
+        table,
+        state,
+        record,
+        n,
+        bags_per_feature,
+        grad.stride(0),
+        num_sources,
+        learning_rate,
+        eps,
+        weight_decay,
+        weight_decay_mode,
+        OPTIM=optim,
+        WEIGHTED=weighted,
+        SENTINEL=SENTINEL,
+        FEATURE_WORDS=FEATURE_WORDS,
+        HEADER_WORDS=HEADER_WORDS,
+        OK=_OK,
+        PER_PROGRAM=PER_PROGRAM,
+        BLOCK_D=max(next_power_of_2(max_dim), 16),
+        num_warps=NUM_WARPS,
+    )

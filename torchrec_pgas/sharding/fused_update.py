@@ -1,0 +1,180 @@
+"""The owner's training step without FBGEMM's backward: the lookup pools straight from
+the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
+fused optimizer itself (``kernels/update_keys``, a stable sort, ``kernels/row_update``).
+
+FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
+index tensor had to hold exactly the batch's ids, whose count the host then read back:
+one synchronization per training step, and a step no CUDA graph could capture. The
+update here reads an index tensor of fixed capacity and only the batch's ids in it, so
+a training step enqueues device work only. It covers what TorchRec's fused tables
+usually are, and keeps FBGEMM's path (``FusedUpdate.groups`` returns None) for the
+rest: ``EXACT_SGD`` and ``EXACT_ROWWISE_ADAGRAD`` (weight decay none, L2 or decoupled;
+no max-norm or gradient clipping) over fp32 weights wholly in device memory, and no
+mean pooling of weighted bags. Results equal FBGEMM's to fp32 rounding (the order of
+additions differs), and a bad step updates nothing (see ``row_update``).
+
+The hyper-parameters (learning rate, eps, weight decay) are read from the FBGEMM module
+at each backward; a captured step keeps those of its capture, as FBGEMM's own
+kernels would.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.kernels.row_update import ROWWISE_ADAGRAD, SGD, row_update
+from torchrec_pgas.kernels.update_keys import update_keys
+
+_OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
+#: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
+_WEIGHT_DECAY_MODES = (0, 1, 2)
+
+
+@dataclass
+class GroupUpdate:
+    """What one lookup group's update reads: its FBGEMM module and, per feature, the
+    table offset, dim, gradient column, mean pooling and optimizer state offset
+    (``features``, int64 [F, 5], see ``kernels/update_keys``)."""
+
+    tbe: SplitTableBatchedEmbeddingBagsCodegen
+    features: torch.Tensor
+    optim: int
+    max_dim: int
+
+
+def _qualifies(tbe: Any, weighted: bool) -> bool:
+    if not isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen) or tbe.optimizer not in _OPTIMS:
+        return False
+    args = tbe.optimizer_args
+    return (
+        tbe.weights_dev.dtype == torch.float32
+        and tbe.weights_dev.numel() > 0
+        and not (tbe.weights_uvm.numel() or tbe.weights_host.numel())
+        and not (weighted and tbe.pooling_mode == PoolingMode.MEAN)
+        and tbe.pooling_mode in (PoolingMode.SUM, PoolingMode.MEAN)
+        and not args.gradient_clipping
+        and args.max_norm == 0.0
+        and (tbe.optimizer == EmbOptimType.EXACT_SGD or int(args.weight_decay_mode) in _WEIGHT_DECAY_MODES)
+    )
+
+
+class FusedUpdate:
+    """The owner's fused sparse update of its lookup modules (see the module
+    docstring). ``enabled`` goes False for good when a module does not qualify."""
+
+    def __init__(self, enabled: bool, weighted: bool, device: torch.device) -> None:
+        self.enabled = enabled
+        self._weighted, self._dev = weighted, device
+        self._key: tuple = ()
+        self._groups: List[GroupUpdate] = []
+        self._no_weights = torch.empty(1, dtype=torch.float32, device=device)
+
+    def groups(self, emb_modules: Sequence[Any]) -> Optional[List[GroupUpdate]]:
+        """Per lookup group, what its update reads; None if some group does not
+        qualify (then FBGEMM's backward runs, as before)."""
+        if not self.enabled:
+            return None
+        tbes = [getattr(m, "emb_module", None) for m in emb_modules]
+        key = tuple(id(t) for t in tbes)
+        if key == self._key:
+            return self._groups
+        if not all(_qualifies(t, self._weighted) for t in tbes):
+            self.enabled = False
+            return None
+        groups, col = [], 0
+        for t in tbes:
+            dims, at = t.D_offsets.tolist(), t.weights_offsets.tolist()
+            adagrad = t.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+            state = t.momentum1_offsets.tolist() if adagrad else [0] * len(at)
+            mean = int(t.pooling_mode == PoolingMode.MEAN)
+            rows = [[at[f], dims[f + 1] - dims[f], col + dims[f], mean, state[f]] for f in range(len(dims) - 1)]
+            features = torch.tensor(rows, dtype=torch.int64, device=self._dev)
+            groups.append(GroupUpdate(t, features, _OPTIMS[t.optimizer], max(r[1] for r in rows)))
+            col += dims[-1]
+        self._key, self._groups = key, groups
+        return groups
+
+    def apply(
+        self,
+        groups: Sequence[GroupUpdate],
+        kjts: Sequence[KeyedJaggedTensor],
+        grad: torch.Tensor,
+        record: torch.Tensor,
+        bags_per_feature: int,
+        num_sources: int,
+    ) -> None:
+        """Applies each group's update for one step: ``kjts`` are its lookup groups'
+        ids (index tensors of fixed capacity), ``grad`` the gradient of the owner's
+        lookup output ``[bags_per_feature, dims]``, ``record`` the step's record."""
+        for group, kjt in zip(groups, kjts):
+            tbe, indices, offsets = group.tbe, kjt.values(), kjt.offsets()
+            keys = torch.empty_like(indices)
+            bag_of = torch.empty_like(indices)
+            update_keys(offsets, indices, group.features, keys, bag_of, bags_per_feature)
+            keys, order = torch.sort(keys, stable=True)
+            weights = kjt.weights() if self._weighted else self._no_weights
+            args = tbe.optimizer_args
+            adagrad = group.optim == ROWWISE_ADAGRAD
+            row_update(
+                keys,
+                order,
+                bag_of,
+                offsets,
+                weights,
+                group.features,
+                grad,
+                tbe.weights_dev,
+                tbe.momentum1_dev if adagrad else self._no_weights,
+                record,
+                bags_per_feature,
+                num_sources,
+                group.max_dim,
+                group.optim,
+                float(tbe.learning_rate_tensor),
+                float(args.eps),
+                float(args.weight_decay) if adagrad else 0.0,
+                int(args.weight_decay_mode) if adagrad else 0,
+                self._weighted,
+            )
+
+
+@dataclass
+class PendingUpdate:
+    """One step's update, applied by the backward of its lookup output (``output``):
+    the owner's lookup groups' ids of the step (``kjts``) and its record."""
+
+    update: FusedUpdate
+    groups: List[GroupUpdate]
+    kjts: List[KeyedJaggedTensor]
+    record: torch.Tensor
+    bags_per_feature: int
+    num_sources: int
+
+    def output(self, stand_in: torch.Tensor) -> torch.Tensor:
+        """The lookup output of the step: ``stand_in`` (the output's shape; its rows
+        were put already), whose gradient applies the update."""
+        anchor = torch.empty(0, device=stand_in.device, requires_grad=True)
+        return _UpdateInBackward.apply(anchor, stand_in, self)
+
+    def apply(self, grad: torch.Tensor) -> None:
+        self.update.apply(self.groups, self.kjts, grad, self.record, self.bags_per_feature, self.num_sources)
+
+
+class _UpdateInBackward(torch.autograd.Function):
+    """Forward: the stand-in of the lookup output; backward: the step's update (the
+    tables are not autograd parameters: their optimizer is fused, as FBGEMM's)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, stand_in: torch.Tensor, pending: PendingUpdate) -> torch.Tensor:  # type: ignore[override]
+        ctx.pending = pending
+        return stand_in.view_as(stand_in)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        ctx.pending.apply(grad)
+        return None, None, None
