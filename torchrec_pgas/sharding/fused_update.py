@@ -58,7 +58,7 @@ def _qualifies(tbe: Any, weighted: bool) -> bool:
         and not (weighted and tbe.pooling_mode == PoolingMode.MEAN)
         and tbe.pooling_mode in (PoolingMode.SUM, PoolingMode.MEAN)
         and not args.gradient_clipping
-        and args.max_norm == 0.0
+        and getattr(args, "max_norm", 0.0) == 0.0
         and (tbe.optimizer == EmbOptimType.EXACT_SGD or int(args.weight_decay_mode) in _WEIGHT_DECAY_MODES)
     )
 
@@ -135,7 +135,7 @@ class FusedUpdate:
                 num_sources,
                 group.max_dim,
                 group.optim,
-                float(tbe.learning_rate_tensor),
+                float(tbe.get_learning_rate()),
                 float(args.eps),
                 float(args.weight_decay) if adagrad else 0.0,
                 int(args.weight_decay_mode) if adagrad else 0,
