@@ -6,10 +6,10 @@ within fp32 rounding (RW_RTOL, RW_ATOL)."""
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import make_tables, random_kjt, run_ranks
+from dist_utils import in_order, make_tables, random_kjt, run_ranks
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -330,3 +330,97 @@ def test_planner_constraints_place_row_wise(world_size, dtype, weighted):
     row blocks on every rank, and the sharded module serves it, row-wise tables
     within fp32 rounding of the unsharded quantized module, table-wise ones exactly."""
     run_ranks(_check_planned_row_wise, world_size, dtype=dtype, weighted=weighted, seed=53 + world_size)
+
+
+# The GPU path's pieces that run on the CPU too (tests/test_gpu_quant.py runs the rest).
+
+
+def test_pooling_of_fixed_shape_lookup_groups():
+    """``_pool_groups`` on lookup groups laid out as the GPU exchange lays them (bag
+    ``(feature, source, sample)`` of ``world * capacity`` per feature, bags past a
+    source's batch empty) gives, row ``source * capacity + sample``, the unsharded
+    module's output of that source's batch, bit for bit; a weighted module with sum
+    and mean tables (two FBGEMM modules, two lookup groups). On GPUs the index tensors
+    are longer than the bags, which FBGEMM's CPU kernel refuses: test_gpu_quant.py."""
+    from torchrec_pgas.quant.sharded import _group_sizes, _lookup_order, _pool_groups
+
+    tables = make_tables(2, 61, PoolingType.MEAN) + make_tables(3, 62, PoolingType.SUM)
+    for i, t in enumerate(tables):
+        t.name, t.feature_names = f"t{i}", [f"f{i}"]
+    module = _quantized(tables, "int4", True, 61)
+    order = _lookup_order(tables)
+    sizes = _group_sizes(order)
+    assert sizes == [2, 3]
+    world, cap = 3, 6
+    batches = [random_kjt(tables, b, 70 + s, weighted=True) for s, b in enumerate([6, 0, 4])]
+    groups, first = [], 0
+    for size in sizes:
+        keys = [f for t in order[first : first + size] for f in t.feature_names]
+        first += size
+        lengths, values, weights = [], [], []
+        for k in keys:
+            for kjt in batches:
+                jt = kjt[k] if kjt.stride() else None
+                n = jt.lengths() if jt is not None else torch.zeros(0, dtype=torch.int64)
+                lengths.append(torch.cat([n, torch.zeros(cap - n.numel(), dtype=torch.int64)]))
+                if jt is not None:
+                    values.append(jt.values())
+                    weights.append(jt.weights())
+        groups.append(
+            KeyedJaggedTensor(
+                keys=keys,
+                values=torch.cat(values),
+                lengths=torch.cat(lengths),
+                weights=torch.cat(weights),
+                stride=world * cap,
+            )
+        )
+    pooled = _pool_groups(module, groups, weighted=True)
+    assert pooled.shape == (world * cap, sum(t.embedding_dim for t in tables))
+    for s, kjt in enumerate(batches):
+        rows = pooled[s * cap : (s + 1) * cap]
+        expected = module(kjt).values() if kjt.stride() else rows[:0]
+        assert torch.equal(rows[: kjt.stride()], expected), s
+        assert torch.equal(rows[kjt.stride() :], torch.zeros_like(rows[kjt.stride() :])), s
+
+
+def _check_whole_batches(rank, world_size, seed):
+    """The GPU path's sends (every exchange given the whole batch, in the order the
+    ranks agreed on at the first batch) on host exchanges: right output for batches
+    whose features are in another order than the module's, bad ids and a missing key
+    raised on every rank (naming the rank, as the float path does), the next batch
+    right; ranks whose first batches disagree in order take the permuting path."""
+    tables = make_tables(4, seed)
+    ref = _quantized(tables, "int8", False, seed)
+    owners = {"t0": 1, "t1": "pgas_row_wise", "t2": 0, "t3": 1}
+    for agree in (True, False):
+        model = shard_quant_model(_Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD, owners=owners)
+        model.ebc._direct = None  # decided at the first batch, as on GPUs
+        keys = ["f3", "f1", "f0", "f2"] if agree or rank == 0 else ["f0", "f1", "f2", "f3"]
+        for step in range(3):
+            kjt = in_order(random_kjt(tables, 3 + 2 * rank + step, seed + 10 * step + rank), keys)
+            out, expected = model(kjt), ref(kjt)
+            torch.testing.assert_close(out.values(), expected.values(), rtol=RW_RTOL, atol=RW_ATOL)
+            assert torch.equal(out.to_dict()["f3"], expected.to_dict()["f3"])
+        assert model.ebc._direct is agree
+        if not agree:
+            continue
+        kjt = in_order(random_kjt(tables, 4 + rank, seed + 50 + rank), keys)
+        if rank == 1:
+            values = kjt.values().clone()
+            values[-1] = tables[2].num_embeddings  # f2 is last: one past t2's rows
+            kjt = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+        rows = tables[2].num_embeddings
+        with pytest.raises(PgasInputError, match=rf"rank 1 sent id {rows} for feature 'f2' of table 't2'"):
+            model(kjt)
+        missing = in_order(random_kjt(tables, 3, seed), keys)
+        if rank == 0:
+            missing = random_kjt(tables[:3], 3, seed)
+        with pytest.raises(PgasInputError, match="rank 0 sent a KJT whose features are not the model's"):
+            model(missing)
+        kjt = in_order(random_kjt(tables, 2 + 3 * rank, seed + 70 + rank), keys)
+        torch.testing.assert_close(model(kjt).values(), ref(kjt).values(), rtol=RW_RTOL, atol=RW_ATOL)
+
+
+def test_whole_batch_sends_on_host_exchanges():
+    run_ranks(_check_whole_batches, 2, seed=67)
