@@ -8,8 +8,8 @@ The checkpoint may have been saved under any sharding: each model loads it throu
 ``torch.distributed.checkpoint``, which reshards.
 
 ``--quant int8|int4|fp16`` also quantizes the checkpoint's model with TorchRec's
-``quantize_embeddings`` and serves it ``pgas_table_wise`` (CPU), printing the AUROC of
-the float and the quantized model on the same requests.
+``quantize_embeddings`` and serves it ``pgas_table_wise`` (on the ranks' CPUs or
+GPUs), printing the AUROC of the float and the quantized model on the same requests.
 
 ``--cuda-graph`` (GPU ranks) serves the PGAS shardings from a CUDA graph of the whole
 forward (dense and sparse) captured on the first request, replayed for every request;
@@ -53,14 +53,15 @@ def parse() -> argparse.Namespace:
 QUANT_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
 
 
-def serve_quantized(args: argparse.Namespace, requests: List[Batch]) -> None:
-    """Loads the checkpoint into the unsharded float model, quantizes its tables with
-    TorchRec's API, shards them ``pgas_table_wise`` and prints both models' AUROC."""
+def serve_quantized(args: argparse.Namespace, requests: List[Batch], device: torch.device) -> None:
+    """Loads the checkpoint into the unsharded float model on ``device``, quantizes its
+    tables with TorchRec's API, shards them ``pgas_table_wise`` and prints both models'
+    AUROC."""
     from torchrec.inference.modules import quantize_embeddings
 
     from torchrec_pgas.quant import shard_quant_model
 
-    model = build(args, torch.device("cpu"))
+    model = build(args, device)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=args.checkpoint)
     model.load_state_dict(state["model"])
@@ -73,8 +74,9 @@ def serve_quantized(args: argparse.Namespace, requests: List[Batch]) -> None:
         for batch in tqdm(requests, desc=f"serve {args.quant}", disable=dist.get_rank() != 0):
             preds["float"].append(torch.sigmoid(float_model(batch)[1][1]))
             preds[args.quant].append(torch.sigmoid(model(batch)[1][1]))
-    labels = torch.cat([b.labels for b in requests])
-    mine = {k: torch.cat(v) for k, v in preds.items()}
+    raise_errors(model, wait=True)  # GPUs: what the last steps reported
+    labels = torch.cat([b.labels for b in requests]).cpu()
+    mine = {k: torch.cat(v).cpu() for k, v in preds.items()}
     everyone: List = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, labels))
     if dist.get_rank() == 0:
@@ -148,8 +150,6 @@ def main() -> None:
         if s not in SHARDINGS:
             raise SystemExit(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
     device = start_rank()
-    if args.quant and device.type != "cpu":
-        raise SystemExit("--quant serves quantized tables on CPU ranks only so far")
     if args.cuda_graph and device.type != "cuda":
         raise SystemExit(f"--cuda-graph needs GPU ranks (CUDA graphs); this run's are {device.type}")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -205,7 +205,7 @@ def main() -> None:
             verdict = "identical" if diff == 0 else f"differ by at most {diff:.2e}"
             print(f"predictions of {shardings[0]} and {other}: {verdict}")
     if args.quant:
-        serve_quantized(args, [b.to(torch.device("cpu")) for b in requests])
+        serve_quantized(args, requests, device)
     finish()
 
 
