@@ -15,7 +15,7 @@ from dist_utils import run_ranks, torchrun, torchrun_ok
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import torchrec_pgas.benchmark.__main__ as bench
-from torchrec_pgas.benchmark import report
+from torchrec_pgas.benchmark import profile, report
 from torchrec_pgas.benchmark.config import (
     CRITEO_ROWS,
     ROW_WISE_ABOVE,
@@ -25,7 +25,7 @@ from torchrec_pgas.benchmark.config import (
     scenarios,
     table_specs,
 )
-from torchrec_pgas.benchmark.floor import floor, link_chunks, traffic
+from torchrec_pgas.benchmark.floor import LINK_BANDWIDTH, MEMORY_BANDWIDTH, floor, link_chunks, traffic
 from torchrec_pgas.benchmark.workload import batches, embedding_configs, module_plan, placement
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 
@@ -51,6 +51,28 @@ def test_traffic_counts_the_busiest_owner():
     assert math.isclose(parts.link_ms, t.link_bytes / 0.5 / 1e6)
     assert parts.floor_ms == max(parts.memory_ms, parts.link_ms)  # overlapped: the slower part
     assert floor(Config(tables=3, ranks=1), copy_gbps=1.0, link_gbps=0.0).link_ms == 0.0  # nothing crosses
+
+
+def test_floor_keeps_its_memory_and_link_parts_apart_each_at_its_own_bandwidth():
+    cfg = Config(tables=5, rows=10, dim=8, batch_size=7, ids_per_bag=3, ranks=3)
+    t = traffic(cfg)
+    parts = floor(cfg, copy_gbps=3000.0, link_gbps=150.0)
+    fields = parts.fields()
+    assert (fields["memory_bytes"], fields["link_bytes"]) == (t.memory_bytes, t.link_bytes)
+    assert (fields["copy_gbps"], fields["link_gbps"]) == (3000.0, 150.0)
+    assert math.isclose(fields["memory_ms"], t.memory_bytes / 3000.0 / 1e6)
+    assert math.isclose(fields["link_ms"], t.link_bytes / 150.0 / 1e6)
+    assert fields["floor_ms"] == max(fields["memory_ms"], fields["link_ms"]) == parts.floor_ms
+    # Each part moves with its own bandwidth only.
+    faster_link = floor(cfg, copy_gbps=3000.0, link_gbps=300.0)
+    assert faster_link.memory_ms == parts.memory_ms and math.isclose(faster_link.link_ms, parts.link_ms / 2)
+    faster_copy = floor(cfg, copy_gbps=6000.0, link_gbps=150.0)
+    assert faster_copy.link_ms == parts.link_ms and math.isclose(faster_copy.memory_ms, parts.memory_ms / 2)
+    assert json.loads(json.dumps(fields)) == fields  # a result row's fields
+    with pytest.raises(ValueError, match=r"link part \(\d+ bytes on 3 ranks\) needs a positive link bandwidth"):
+        floor(cfg, copy_gbps=3000.0, link_gbps=0.0)
+    with pytest.raises(ValueError, match="positive copy bandwidth, got 0"):
+        floor(cfg, copy_gbps=0, link_gbps=150.0)
 
 
 def test_dlrm_tables_span_orders_of_magnitude_and_follow_the_placement_rule():
@@ -405,3 +427,231 @@ def test_cuda_graph_run_times_ours_graphed_and_compares_replays_with_eager(tmp_p
     assert row["baseline_graphed"] == bench.TORCHREC_NOT_GRAPHED
     # The replay's outputs against the eager step's, on the same batch and weights.
     assert row["graphed_max_diff"] == 0.0
+
+
+def test_report_puts_the_floors_parts_in_columns_of_their_own_and_names_their_bandwidths():
+    eager = [(b, {k: v for k, v in o.items() if "graphed" not in k}) for b, o in _fake_rounds()]
+    two = _fake_row("8192", ("table_wise", "pgas_table_wise"), eager)
+    two.update(floor(Config(ranks=2), copy_gbps=4000.0, link_gbps=160.0).fields())
+    one = _fake_row("1024", ("table_wise", "pgas_table_wise"), eager)
+    one.update(floor(Config(ranks=1, batch_size=1024), copy_gbps=4000.0, link_gbps=0.0).fields())
+    table = report.markdown([two, one], "h")
+    lines = table.splitlines()
+    columns = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert columns[-4:] == ["floor ms", "memory part ms", "link part ms", "ours / floor"]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:6]]
+    assert all(len(c) == len(columns) for c in cells)
+    assert cells[0][-4:] == [
+        f"{two['floor_ms']:.3f}",
+        f"{two['memory_ms']:.3f} at 4000 GB/s",
+        f"{two['link_ms']:.3f} at 160 GB/s",
+        f"{1.0 / two['floor_ms']:.1f}x",
+    ]
+    assert cells[1][-3:-1] == [f"{one['memory_ms']:.3f} at 4000 GB/s", "0 (one rank)"]
+    # The legend says which bandwidth each part is taken at: the link's from device-initiated multi-block puts.
+    assert report.FLOOR_LEGEND in table and MEMORY_BANDWIDTH in table and LINK_BANDWIDTH in table
+    assert "device-initiated" in LINK_BANDWIDTH and "32 rows of blocks" in LINK_BANDWIDTH
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "examples", "benchmark_results")
+
+
+def _stored_results():
+    """The stored benchmark results with rows (a soak's file has other keys)."""
+    return sorted(f for f in os.listdir(RESULTS) if f.endswith(".json") and report.load(os.path.join(RESULTS, f))[0])
+
+
+@pytest.mark.parametrize("name", _stored_results())
+def test_every_stored_result_renders_again_whatever_fields_its_version_kept(name, tmp_path, monkeypatch):
+    """Results of earlier versions lack the floor's parts (a host-issued put's
+    bandwidth instead), the graphed times, or (hand-copied rows) the comparison."""
+    monkeypatch.setattr(report, "plot", lambda rows, path: open(path, "wb").close())
+    rows, _ = report.load(os.path.join(RESULTS, name))
+    report.main([os.path.join(RESULTS, name), "--out", str(tmp_path)])
+    table = open(tmp_path / "results.md").read()
+    lines = [line for line in table.splitlines() if line.startswith("| ") and " vs " in line]
+    assert len(lines) == len(rows) + len([r for r in rows if "forward_graphed_ms" in r["ours"]])
+    assert all(len(line.split("|")) == len(table.splitlines()[2].split("|")) for line in lines[: len(rows)])
+    for r, line in zip(rows, lines):
+        if "memory_ms" in r:
+            assert f"{r['memory_ms']:.3f} at {r['copy_gbps']:.0f} GB/s" in line
+        elif r.get("put_gbps"):
+            assert f"n/a (run measured a host-issued put, {r['put_gbps']:.0f} GB/s)" in line
+
+
+def test_report_refuses_a_results_file_without_rows(tmp_path):
+    empty = tmp_path / "results.json"
+    empty.write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(SystemExit, match="no result rows to render"):
+        report.main([str(empty)])
+
+
+def test_profile_cuda_graph_option_parses_with_batch_sizes_and_refuses_cpus(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = profile._parse(["--cuda-graph", "--batch-sizes", "1024,8192", "--replays", "7", "--warmup", "0"])
+    assert args.cuda_graph and args.batch_sizes == [1024, 8192] and args.replays == 7 and args.warmup == 0
+    assert args.shardings == "pgas_table_wise,table_wise" and not profile._parse([]).cuda_graph
+    for bad, message in ((["--replays", "0"], "--replays must be at least 1, got 0"), (["--warmup", "-1"], "-1")):
+        with pytest.raises(SystemExit):
+            profile._parse(["--cuda-graph", *bad])
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        profile._parse(["--cuda-graph"])
+    assert "--cuda-graph needs GPUs" in capsys.readouterr().err
+    assert profile.graphable("pgas_table_wise") and profile.graphable("pgas_table_wise+pgas_row_wise")
+    assert not profile.graphable("table_wise") and not profile.graphable("pgas_table_wise+row_wise")
+
+
+def _trace():
+    """Two marked steps of a synthetic chrome trace (us): kernels of a graph replay
+    (one launch), a copy that runs after its step's mark ended, overlapping kernels, a
+    fill without a launch in the trace, and a barrier's kernel between steps."""
+
+    def mark(i, ts):
+        return {"ph": "X", "cat": "user_annotation", "name": f"{profile.STEP_MARK} {i}", "ts": ts, "dur": 50}
+
+    def launch(corr, ts):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunch",
+            "ts": ts,
+            "dur": 2,
+            "args": {"correlation": corr},
+        }
+
+    def device(cat, name, ts, dur, corr=None):
+        args = {} if corr is None else {"correlation": corr}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    return [
+        {"ph": "M", "name": "process_name", "ts": 0, "args": {"name": "python"}},
+        device("kernel", "nccl_barrier", 95, 3, corr=9),
+        launch(9, 90),
+        mark(1, 200),  # marks in any order
+        mark(0, 100),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": f"{profile.STEP_MARK} 0", "ts": 110, "dur": 60},
+        launch(1, 105),  # cudaGraphLaunch: every kernel of the replay
+        device("kernel", "a", 110, 10, corr=1),
+        device("kernel", "b", 125, 5, corr=1),
+        device("kernel", "c", 128, 6, corr=1),  # overlaps b (another stream)
+        launch(2, 120),
+        device("gpu_memcpy", "Memcpy DtoD", 160, 4, corr=2),  # after the mark: its launch decides
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 130, "dur": 5},
+        {"ph": "s", "cat": "ac2g", "name": "flow", "ts": 120, "id": 2},
+        launch(3, 205),
+        device("kernel", "a", 210, 12, corr=3),
+        device("gpu_memset", "Memset", 230, 1),
+    ]
+
+
+def test_device_profile_assigns_each_kernel_to_its_step_and_finds_the_idle_gaps():
+    steps = profile.step_activities(_trace())
+    assert [[a.name for a in s] for s in steps] == [["a", "b", "c", "Memcpy DtoD"], ["a", "Memset"]]
+    first, second = profile.device_step(steps[0]), profile.device_step(steps[1])
+    # 110..164; busy: a 10, b and c together 125..134 = 9, the copy 4; idle: the gaps.
+    assert (first.span_us, first.busy_us, first.kernel_us, first.idle_us) == (54, 23, 25, 31)
+    assert (second.span_us, second.busy_us, second.kernel_us, second.idle_us) == (21, 13, 13, 8)
+    assert profile.device_step([]) == profile.DeviceStep(0.0, 0.0, 0.0, 0)
+    table = profile.kernel_table(steps)
+    assert [(k.name, k.count, k.total_us) for k in table] == [
+        ("a", 2, 22.0),
+        ("c", 1, 6.0),
+        ("b", 1, 5.0),
+        ("Memcpy DtoD", 1, 4.0),
+        ("Memset", 1, 1.0),
+    ]
+    assert table[0].mean_us == 11.0
+    parts = floor(Config(tables=2, rows=10, dim=4, batch_size=5, ids_per_bag=3, ranks=1), 0.01, 0.0)
+    p = profile.summarize_steps("pgas_table_wise", 5, "graphed", 0.1, steps, parts)
+    # The timeline of one step, that of median span (the lower of two): its parts add up.
+    assert (p.step_us, p.steps, p.span_us, p.busy_us, p.kernel_us, p.idle_us) == (100.0, 2, 21.0, 13.0, 13.0, 8.0)
+    assert p.outside_us == 79.0 and p.per_step_us(table[0]) == 11.0
+    assert math.isclose(p.memory_floor_us, parts.memory_bytes / 0.01 / 1e3)
+    assert math.isclose(p.copy_share(table[0]), p.memory_floor_us / 11.0)
+    text = profile.summary_markdown([p], "h")
+    summary = text.split("### Summary (us per step)")[1]  # last, where a run's output ends
+    assert f"| pgas_table_wise | 5 | graphed | 100.0 | 21.0 | 13.0 | 8.0 | 79.0 | {p.memory_floor_us:.1f} |" in summary
+    assert f"`a` 11.0, {100 * p.copy_share(table[0]):.0f}% | 3 |" in summary  # 6 activities over 2 steps
+    section = text.split("### pgas_table_wise, 5 samples per rank, graphed")[1].split("### Summary")[0]
+    assert "| `a` | 1 | 11.0 | 11.0 | 58% |" in section and "| `Memset` | 0.5 | 0.5 | 1.0 | 3% |" in section
+    assert "idle 8.0 us inside the span" in section and "no link part (one rank)" in section
+    empty = profile.summarize_steps("table_wise", 5, "eager", 0.2, [[], []], parts)
+    assert empty.steps == 0 and not empty.kernels and "no device activity" in profile.profile_markdown(empty)
+    assert "| table_wise | 5 | eager | 200.0 | 0.0 |" in profile.summary_markdown([empty], "h")
+
+
+def test_device_profile_names_the_rest_of_many_kernels_together():
+    steps = [[profile.Activity(f"k{i:02d}", 10.0 * i, 1.0 + i) for i in range(profile.TOP_KERNELS + 3)]]
+    p = profile.summarize_steps("s", 1, "eager", 1.0, steps, floor(Config(ranks=1), 1000.0, 0.0))
+    section = profile.profile_markdown(p)
+    assert "`k14`" in section and "`k02`" not in section  # longest first
+    assert "| 3 others | 3 | 6.0 | 2.0 |" in section  # k00..k02: 1 + 2 + 3 us
+
+
+def _graph_profile_ranks(rank: int, world_size: int, out: str) -> None:
+    """``--cuda-graph``'s whole run on CPU ranks: a stand-in for ``graphs.capture``
+    replaying the step eagerly, and the host's operators standing in for kernels
+    (a CPU trace has no device activity)."""
+    import functools
+    import sys
+    import types
+
+    captured = []
+
+    def capture(fn, *example, warmup=3, model=None):
+        assert isinstance(model, torch.nn.Module)
+        captured.append(fn)
+        return fn
+
+    sys.modules["torchrec_pgas.graphs"] = types.SimpleNamespace(
+        capture=capture, raise_errors=lambda m, wait=False: None
+    )
+    profile.step_activities = functools.partial(profile.step_activities, categories=("cpu_op",))
+    args = profile._parse([*TINY_RUN, "--batch-sizes", "16,40", "--iters", "2", "--warmup", "1", "--replays", "3"])
+    args.cuda_graph, args.out = True, out
+    profile.graph_main(args, torch.device("cpu"))
+    assert len(captured) == 2, "pgas_table_wise at each batch size; TorchRec's sharding is not captured"
+
+
+def test_profile_cuda_graph_mode_runs_on_two_cpu_processes_and_writes_its_summary(tmp_path):
+    out = str(tmp_path / "graph")
+    os.makedirs(out)
+    run_ranks(_graph_profile_ranks, 2, out=out)
+    with open(os.path.join(out, "graph_profile.json")) as f:
+        results = json.load(f)
+    found = [(p["sharding"], p["batch_size"], p["mode"]) for p in results["profiles"]]
+    assert found == [
+        (s, b, m)
+        for b in (16, 40)
+        for s, modes in (("pgas_table_wise", ("eager", "graphed")), ("table_wise", ("eager",)))
+        for m in modes
+    ]
+    for p in results["profiles"]:
+        assert p["steps"] == 3 and p["step_us"] > 0 and p["kernels"], p
+        assert 0 < p["busy_us"] <= min(p["span_us"], p["kernel_us"]) and math.isclose(
+            p["idle_us"], p["span_us"] - p["busy_us"]
+        )
+        lookups = [k["count"] for k in p["kernels"] if k["name"].startswith("fbgemm::split_embedding_codegen_lookup")]
+        assert lookups == [3], "one FBGEMM lookup in each profiled step, none from outside them"
+        cfg = Config(tables=4, rows=300, dim=8, batch_size=p["batch_size"], ids_per_bag=3, ranks=2)
+        assert p["floor"]["memory_bytes"] == traffic(cfg).memory_bytes and p["floor"]["link_bytes"] > 0
+        name = f"{p['sharding']}_{p['batch_size']}_{p['mode']}"
+        assert os.path.getsize(os.path.join(out, f"graph_kernels_{name}.txt")) > 0
+        for rank in (0, 1):
+            with open(os.path.join(out, f"graph_trace_{name}_rank{rank}.json")) as f:
+                assert json.load(f)["traceEvents"]
+    table = open(os.path.join(out, "graph_profile.md")).read()
+    summary = table.split("### Summary (us per step)")[1]
+    assert (
+        len(
+            [
+                line
+                for line in summary.splitlines()
+                if line.startswith("| pgas_table_wise") or line.startswith("| table_wise")
+            ]
+        )
+        == 6
+    )
+    assert "Not graphed (TorchRec's sharding cannot be captured): table_wise." in table.splitlines()[0]

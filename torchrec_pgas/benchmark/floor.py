@@ -19,8 +19,10 @@ The link bandwidth is what the sharding's own puts can reach: on GPUs, a put+sig
 of tens of MiB issued from the device by many blocks at once (``put_signal``'s kernel,
 the path the lookup's pooled rows take), not one host-issued put, which reaches well
 under half of it; on CPUs, a put through the host transport (a shared-memory copy).
+``MEMORY_BANDWIDTH`` and ``LINK_BANDWIDTH`` say so in the report.
 
-The two parts are reported separately, and the floor combines them as their maximum:
+The two parts are reported separately (``Floor.fields``: each part's bytes, bandwidth
+and time), and the floor combines them as their maximum:
 the one-sided design overlaps them (the lookup kernel stores each pooled row straight
 into the requester's output while it reads the next rows), so in the best case the
 forward takes as long as the slower of the two. A design that ran them one after the
@@ -34,7 +36,7 @@ The bandwidths alone, at several sizes, on every process of a launch:
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -61,16 +63,49 @@ class Traffic:
     link_bytes: int
 
 
+#: The bandwidth each part of the floor is taken at, as the report states it.
+MEMORY_BANDWIDTH = "copy bandwidth: a large device-to-device copy, bytes read plus written"
+LINK_BANDWIDTH = (
+    f"device-initiated put bandwidth: put+signal to the next rank issued from the device by "
+    f"{_LINK_ROWS} rows of blocks at once (put_signal's kernel, the path of the pooled rows); "
+    f"on CPUs the host transport's put"
+)
+
+
 @dataclass(frozen=True)
 class Floor:
-    """The floor's parts (ms) and their combination (see module doc)."""
+    """The floor of one forward: each part its bytes over its own bandwidth (GB/s),
+    and their combination (see module doc)."""
 
-    memory_ms: float
-    link_ms: float
+    memory_bytes: int
+    link_bytes: int
+    copy_gbps: float
+    link_gbps: float
+
+    @property
+    def memory_ms(self) -> float:
+        return self.memory_bytes / self.copy_gbps / 1e6
+
+    @property
+    def link_ms(self) -> float:
+        """0 where nothing crosses a link (one rank), whatever the link's bandwidth."""
+        return self.link_bytes / self.link_gbps / 1e6 if self.link_bytes else 0.0
 
     @property
     def floor_ms(self) -> float:
         return max(self.memory_ms, self.link_ms)
+
+    def fields(self) -> Dict[str, float]:
+        """The floor, its parts and what they were taken at, for a result row."""
+        return {
+            "floor_ms": self.floor_ms,
+            "memory_ms": self.memory_ms,
+            "memory_bytes": self.memory_bytes,
+            "copy_gbps": self.copy_gbps,
+            "link_ms": self.link_ms,
+            "link_bytes": self.link_bytes,
+            "link_gbps": self.link_gbps,
+        }
 
 
 def table_traffic(spec: TableSpec, cfg: Config, rank: int) -> Traffic:
@@ -103,10 +138,18 @@ def traffic(cfg: Config) -> Traffic:
 
 
 def floor(cfg: Config, copy_gbps: float, link_gbps: float) -> Floor:
-    """The least time the forward of ``cfg`` can take at these bandwidths (GB/s), by part."""
+    """The least time the forward of ``cfg`` can take at these bandwidths (GB/s), by
+    part: memory at ``copy_gbps`` (``copy_gbps``), link at ``link_gbps`` (``link_gbps``:
+    device-initiated multi-block puts on GPUs)."""
     t = traffic(cfg)
-    link_ms = t.link_bytes / link_gbps / 1e6 if t.link_bytes else 0.0
-    return Floor(memory_ms=t.memory_bytes / copy_gbps / 1e6, link_ms=link_ms)
+    if copy_gbps <= 0:
+        raise ValueError(f"the floor's memory part needs a positive copy bandwidth, got {copy_gbps} GB/s")
+    if t.link_bytes and link_gbps <= 0:
+        raise ValueError(
+            f"the floor's link part ({t.link_bytes} bytes on {cfg.ranks} ranks) needs a positive link "
+            f"bandwidth, got {link_gbps} GB/s"
+        )
+    return Floor(t.memory_bytes, t.link_bytes, copy_gbps, link_gbps)
 
 
 def _time_ms(fn: Callable[[], None], device: torch.device, reps: int = _LINK_REPS) -> float:
@@ -217,10 +260,13 @@ def main() -> None:
 
     device = start_rank()
     group = dist.group.WORLD
+    put = "device-initiated put" if device.type == "cuda" else "host transport put"
     for shift in (24, 26, 28):
         copy, link = copy_gbps(device, 1 << shift), link_gbps(group, device, 1 << shift)
         if dist.get_rank() == 0:
-            print(f"{1 << (shift - 20):>4} MiB: copy {copy:8.1f} GB/s, link {link:7.1f} GB/s per direction", flush=True)
+            print(
+                f"{1 << (shift - 20):>4} MiB: copy {copy:8.1f} GB/s, {put} {link:7.1f} GB/s per direction", flush=True
+            )
     finish()
 
 

@@ -1,9 +1,18 @@
-"""Benchmark results as JSON, a markdown table and a PNG plot."""
+"""Benchmark results as JSON, a markdown table and a PNG plot.
 
+A results file of any version of the benchmark renders again (older ones lack the
+floor's parts, or the graphed times; their cells say n/a):
+
+    python -m torchrec_pgas.benchmark.report bench/results.json [--out DIR]
+"""
+
+import argparse
 import json
 import os
 import statistics
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torchrec_pgas.benchmark.floor import LINK_BANDWIDTH, MEMORY_BANDWIDTH
 
 #: The measurements of each (baseline, ours) pair, in table order.
 METRICS = (("forward_ms", "embedding forward"), ("dlrm_ms", "DLRM inference"), ("train_ms", "training step"))
@@ -33,14 +42,15 @@ def summarize(rounds: Sequence[Tuple[Dict[str, float], Dict[str, float]]]) -> Di
 
 
 def markdown(rows: List[Dict[str, Any]], header: str) -> str:
-    """One line per configuration and pair: times, speed-ups, agreement and floor (the
-    larger of its memory and link parts, see ``floor``)."""
+    """One line per configuration and pair: times, speed-ups, agreement, and the floor
+    with its memory and link parts (``floor``), each at the bandwidth it was taken at
+    (said under the table)."""
     lines = [
         header,
         "",
         "| scenario | configuration | pair | forward ms (theirs / ours) | DLRM inference ms | "
-        "training step ms | outputs | floor ms (memory / link) | ours / floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "training step ms | outputs | floor ms | memory part ms | link part ms | ours / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
@@ -51,9 +61,18 @@ def markdown(rows: List[Dict[str, Any]], header: str) -> str:
         lines.append(
             f"| {r['scenario']} | {r['label']} | {r['pair'][1]} vs {r['pair'][0]} | "
             + " | ".join(cells)
-            + f" | {agree} | {_floor(r)} | {r['ours']['forward_ms'] / r['floor_ms']:.1f}x |"
+            + f" | {agree} | {_floor(r)} | {_memory_part(r)} | {_link_part(r)} | {_over_floor(r)} |"
         )
+    lines += ["", FLOOR_LEGEND]
     return "\n".join(lines) + "\n" + _graphed_markdown(rows)
+
+
+#: What the floor's columns are (under the table).
+FLOOR_LEGEND = (
+    f"Floor: the larger of its two parts (the lookup overlaps its puts), for the busiest rank. "
+    f"Memory part: rows and ids read, pooled rows written, over the {MEMORY_BANDWIDTH}. "
+    f"Link part: ids and pooled rows sent to other ranks, over the {LINK_BANDWIDTH}."
+)
 
 
 def _spread(row: Dict[str, Any], key: str) -> str:
@@ -107,9 +126,12 @@ def _graphed_markdown(rows: List[Dict[str, Any]]) -> str:
 
 def _agreement(row: Dict[str, Any]) -> str:
     """Identical, or the largest difference, split by placement where the tables that
-    both sides place table-wise agree bit for bit (a row-wise sum's order differs)."""
-    if row["identical"]:
+    both sides place table-wise agree bit for bit (a row-wise sum's order differs);
+    n/a where the results kept no comparison."""
+    if row.get("identical"):
         return "identical"
+    if "max_diff" not in row:
+        return "n/a"
     by = row.get("max_diff_by_placement", {})
     if by and by["table_wise"] == 0:
         return f"identical table-wise, row-wise max diff {by['row_wise']:.1e}"
@@ -117,14 +139,30 @@ def _agreement(row: Dict[str, Any]) -> str:
 
 
 def _floor(row: Dict[str, Any]) -> str:
-    """The floor and its parts, with the bandwidths they were taken at (results of
-    earlier versions have the combined floor only)."""
+    return "n/a" if row.get("floor_ms") is None else f"{row['floor_ms']:.3f}"
+
+
+def _over_floor(row: Dict[str, Any]) -> str:
+    return "n/a" if row.get("floor_ms") is None else f"{row['ours']['forward_ms'] / row['floor_ms']:.1f}x"
+
+
+def _memory_part(row: Dict[str, Any]) -> str:
+    """The floor's memory part and the copy bandwidth it was taken at (n/a in results
+    of versions that recorded the combined floor only)."""
     if "memory_ms" not in row:
-        return f"{row['floor_ms']:.3f}"
-    return (
-        f"{row['floor_ms']:.3f} ({row['memory_ms']:.3f} at {row['copy_gbps']:.0f} GB/s / "
-        f"{row['link_ms']:.3f} at {row['link_gbps']:.0f} GB/s)"
-    )
+        return "n/a"
+    return f"{row['memory_ms']:.3f} at {row['copy_gbps']:.0f} GB/s"
+
+
+def _link_part(row: Dict[str, Any]) -> str:
+    """The floor's link part and the device-initiated put bandwidth it was taken at;
+    older results measured a host-issued put (``put_gbps``) and kept no link part."""
+    if "link_ms" not in row:
+        put = row.get("put_gbps")
+        return f"n/a (run measured a host-issued put, {put:.0f} GB/s)" if put else "n/a"
+    if not row["link_gbps"] and not row["link_ms"]:
+        return "0 (one rank)"
+    return f"{row['link_ms']:.3f} at {row['link_gbps']:.0f} GB/s"
 
 
 def plot(rows: List[Dict[str, Any]], path: str) -> None:
@@ -178,17 +216,51 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def header(meta: Dict[str, Any]) -> str:
+    """The table's first line: hardware, host, iterations, rounds and command, as far
+    as ``meta`` has them (older results lack some)."""
+    rounds = f", median of {meta['rounds']} alternating rounds" if meta.get("rounds", 1) > 1 else ""
+    host = meta.get("host")
+    on = f" (host {host['cpu']}, {host['alloc_us']:.1f} us per small allocation)" if host else ""
+    iters = f"; median of {meta['iters']} iterations" if "iters" in meta else ""
+    command = f"; `{meta['command']}`" if "command" in meta else ""
+    note = f"; {meta['note']}" if "note" in meta else ""
+    return f"{meta.get('hardware', 'unknown hardware')}{on}{iters}{rounds}{command}{note}"
+
+
 def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str, show: bool = True) -> None:
     """Writes ``results.json``, ``results.md`` and ``speedup.png`` (and prints the table, if ``show``)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    rounds = f", median of {meta['rounds']} alternating rounds" if meta.get("rounds", 1) > 1 else ""
-    host = meta.get("host")
-    on = f" (host {host['cpu']}, {host['alloc_us']:.1f} us per small allocation)" if host else ""
-    table = markdown(rows, f"{meta['hardware']}{on}; median of {meta['iters']} iterations{rounds}; `{meta['command']}`")
+    table = markdown(rows, header(meta))
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table)
     plot(rows, os.path.join(out_dir, "speedup.png"))
     if show:
         print("\n" + table)
+
+
+def load(path: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """The rows and meta of a ``results.json`` of any version (see module doc)."""
+    with open(path) as f:
+        results = json.load(f)
+    return results.get("rows", []), results.get("meta", {})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="Renders a benchmark's results.json again: its table, and plot.")
+    p.add_argument("results", help="results.json of `python -m torchrec_pgas.benchmark`")
+    p.add_argument("--out", default=None, help="write results.json, results.md and speedup.png here (else print)")
+    args = p.parse_args(argv)
+    rows, meta = load(args.results)
+    if not rows:
+        raise SystemExit(f"{args.results}: no result rows to render")
+    if args.out:
+        write(rows, meta, args.out)
+    else:
+        print(markdown(rows, header(meta)))
+
+
+if __name__ == "__main__":
+    main()
