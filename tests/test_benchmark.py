@@ -564,27 +564,30 @@ def test_device_profile_assigns_each_kernel_to_its_step_and_finds_the_idle_gaps(
     ]
     assert table[0].mean_us == 11.0
     parts = floor(Config(tables=2, rows=10, dim=4, batch_size=5, ids_per_bag=3, ranks=1), 0.01, 0.0)
-    p = profile.summarize_steps("pgas_table_wise", 5, "graphed", 0.1, steps, parts)
+    p = profile.summarize_steps("pgas_table_wise", 5, "graphed", 0.1, steps, [0.09, 0.05], parts)
     # The timeline of one step, that of median span (the lower of two): its parts add up.
     assert (p.step_us, p.steps, p.span_us, p.busy_us, p.kernel_us, p.idle_us) == (100.0, 2, 21.0, 13.0, 13.0, 8.0)
-    assert p.outside_us == 79.0 and p.per_step_us(table[0]) == 11.0
+    assert p.profiled_step_us == 50.0 and p.outside_us == 29.0 and p.per_step_us(table[0]) == 11.0
     assert math.isclose(p.memory_floor_us, parts.memory_bytes / 0.01 / 1e3)
     assert math.isclose(p.copy_share(table[0]), p.memory_floor_us / 11.0)
     text = profile.summary_markdown([p], "h")
     summary = text.split("### Summary (us per step)")[1]  # last, where a run's output ends
-    assert f"| pgas_table_wise | 5 | graphed | 100.0 | 21.0 | 13.0 | 8.0 | 79.0 | {p.memory_floor_us:.1f} |" in summary
+    line = f"| pgas_table_wise | 5 | graphed | 100.0 | 50.0 | 21.0 | 13.0 | 8.0 | 29.0 | {p.memory_floor_us:.1f} |"
+    assert line in summary
     assert f"`a` 11.0, {100 * p.copy_share(table[0]):.0f}% | 3 |" in summary  # 6 activities over 2 steps
     section = text.split("### pgas_table_wise, 5 samples per rank, graphed")[1].split("### Summary")[0]
     assert "| `a` | 1 | 11.0 | 11.0 | 58% |" in section and "| `Memset` | 0.5 | 0.5 | 1.0 | 3% |" in section
     assert "idle 8.0 us inside the span" in section and "no link part (one rank)" in section
-    empty = profile.summarize_steps("table_wise", 5, "eager", 0.2, [[], []], parts)
+    empty = profile.summarize_steps("table_wise", 5, "eager", 0.2, [[], []], [0.3, 0.4], parts)
     assert empty.steps == 0 and not empty.kernels and "no device activity" in profile.profile_markdown(empty)
-    assert "| table_wise | 5 | eager | 200.0 | 0.0 |" in profile.summary_markdown([empty], "h")
+    assert "| table_wise | 5 | eager | 200.0 | 0.0 | 0.0 |" in profile.summary_markdown([empty], "h")
+    with pytest.raises(ValueError, match="2 marked steps in the trace, 3 timed"):
+        profile.summarize_steps("table_wise", 5, "eager", 0.2, steps, [0.1] * 3, parts)
 
 
 def test_device_profile_names_the_rest_of_many_kernels_together():
     steps = [[profile.Activity(f"k{i:02d}", 10.0 * i, 1.0 + i) for i in range(profile.TOP_KERNELS + 3)]]
-    p = profile.summarize_steps("s", 1, "eager", 1.0, steps, floor(Config(ranks=1), 1000.0, 0.0))
+    p = profile.summarize_steps("s", 1, "eager", 1.0, steps, [1.0], floor(Config(ranks=1), 1000.0, 0.0))
     section = profile.profile_markdown(p)
     assert "`k14`" in section and "`k02`" not in section  # longest first
     assert "| 3 others | 3 | 6.0 | 2.0 |" in section  # k00..k02: 1 + 2 + 3 us
@@ -630,6 +633,9 @@ def test_profile_cuda_graph_mode_runs_on_two_cpu_processes_and_writes_its_summar
     ]
     for p in results["profiles"]:
         assert p["steps"] == 3 and p["step_us"] > 0 and p["kernels"], p
+        assert p["profiled_step_us"] >= p["span_us"] and math.isclose(
+            p["outside_us"], p["profiled_step_us"] - p["span_us"]
+        )
         assert 0 < p["busy_us"] <= min(p["span_us"], p["kernel_us"]) and math.isclose(
             p["idle_us"], p["span_us"] - p["busy_us"]
         )

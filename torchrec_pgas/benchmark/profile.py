@@ -20,19 +20,19 @@ at each of ``--batch-sizes`` (else ``--batch-size``):
         -m torchrec_pgas.benchmark.profile --cuda-graph --batch-sizes 1024,8192 --out prof_graph
 
 Per sharding, batch size and mode: the slowest rank's median step by CUDA events (the
-benchmark's number), then ``--replays`` steps under ``torch.profiler``, each marked
-and drained before the next, so that a step's device activities (kernels, copies and
-fills, also those a graph replay launches: CUPTI traces them) are its own. From rank
-0's trace: each activity's count and device time over the steps
-(``OUT/graph_kernels_<sharding>_<batch>_<mode>.txt``), and per step the device span
-(first start to last end), the busy time within it (the union of the activities),
-the device idle inside the span (span minus busy: the gaps between dependent kernels),
-and what lies outside it (step minus span: launching, the host), of the profiled step
-of median span. Against it, the
-floor's memory part (``floor``: rows and ids read, pooled rows written, over the
-copy bandwidth measured in the run), and how much of the copy bandwidth the step's
-longest kernel would reach moving those bytes. The summary is printed last and
-written to ``OUT/graph_profile.md`` (numbers in ``OUT/graph_profile.json``), the
+benchmark's number), then ``--replays`` steps under ``torch.profiler``, each marked,
+timed by CUDA events and drained before the next, so that a step's device activities
+(kernels, copies and fills, also those a graph replay launches: CUPTI traces them)
+are its own. From rank 0's trace: each activity's count and device time over the
+steps (``OUT/graph_kernels_<sharding>_<batch>_<mode>.txt``), and the timeline of the
+profiled step of median span: its device span (first start to last end), the busy
+time within it (the union of the activities), the device idle inside the span (span
+minus busy: the gaps between dependent kernels), and what lies outside it (the step's
+time minus its span: launching, the host; under the profiler, which slows the host).
+Against it, the floor's memory part (``floor``: rows and ids read, pooled rows
+written, over the copy bandwidth measured in the run), and how much of the copy
+bandwidth the step's longest kernel would reach moving those bytes. The summary is
+printed last and written to ``OUT/graph_profile.md`` (numbers in ``OUT/graph_profile.json``), the
 timelines to ``OUT/graph_trace_<sharding>_<batch>_<mode>_rank<r>.json``.
 """
 
@@ -271,6 +271,8 @@ class StepProfile:
     step_us: float
     #: Profiled steps with device activity.
     steps: int
+    #: The profiled step of median span: its time by CUDA events, and its timeline.
+    profiled_step_us: float
     span_us: float
     busy_us: float
     kernel_us: float
@@ -280,9 +282,9 @@ class StepProfile:
 
     @property
     def outside_us(self) -> float:
-        """The step's time before its first activity and after its last: launching,
-        the host's work (negative where the profiled steps ran longer than the timed)."""
-        return self.step_us - self.span_us
+        """The profiled step's time before its first activity and after its last:
+        launching, the host's work."""
+        return self.profiled_step_us - self.span_us
 
     @property
     def memory_floor_us(self) -> float:
@@ -299,17 +301,29 @@ class StepProfile:
 
 
 def summarize_steps(
-    sharding: str, batch_size: int, mode: str, step_ms: float, steps: Sequence[Sequence[Activity]], parts: floor.Floor
+    sharding: str,
+    batch_size: int,
+    mode: str,
+    step_ms: float,
+    steps: Sequence[Sequence[Activity]],
+    profiled_ms: Sequence[float],
+    parts: floor.Floor,
 ) -> StepProfile:
-    """A ``StepProfile`` of the marked steps' activities (``step_activities``)."""
-    timed = sorted((device_step(s) for s in steps if s), key=lambda t: t.span_us)
-    median = timed[(len(timed) - 1) // 2] if timed else device_step([])
+    """A ``StepProfile`` of the marked steps' activities (``step_activities``), each
+    step timed at ``profiled_ms``, and the unprofiled median ``step_ms``."""
+    if len(profiled_ms) != len(steps):
+        raise ValueError(
+            f"{len(steps)} marked steps in the trace, {len(profiled_ms)} timed: the trace is not the run's"
+        )
+    timed = sorted(((device_step(s), ms) for s, ms in zip(steps, profiled_ms) if s), key=lambda t: t[0].span_us)
+    median, ms = timed[(len(timed) - 1) // 2] if timed else (device_step([]), 0.0)
     return StepProfile(
         sharding=sharding,
         batch_size=batch_size,
         mode=mode,
         step_us=step_ms * 1e3,
         steps=len(timed),
+        profiled_step_us=ms * 1e3,
         span_us=median.span_us,
         busy_us=median.busy_us,
         kernel_us=median.kernel_us,
@@ -338,22 +352,23 @@ def profile_markdown(p: StepProfile) -> str:
     lines = [
         title,
         "",
-        f"step {p.step_us:.1f} us (CUDA events, median); device span {p.span_us:.1f} us: activities "
-        f"{p.kernel_us:.1f} us (busy {p.busy_us:.1f} us), idle {p.idle_us:.1f} us inside the span; "
-        f"{p.outside_us:.1f} us outside it (launch, host). The profiled step of median span of {p.steps}.",
+        f"step {p.step_us:.1f} us (median, not profiled). The profiled step of median span (of {p.steps}): "
+        f"{p.profiled_step_us:.1f} us, device span {p.span_us:.1f} us: kernels {p.kernel_us:.1f} us "
+        f"(busy {p.busy_us:.1f} us), idle {p.idle_us:.1f} us inside the span; {p.outside_us:.1f} us outside "
+        f"it (launch, host).",
         "",
         f"floor: memory part {p.memory_floor_us:.1f} us ({f.memory_bytes / 1e6:.1f} MB at "
         f"{f.copy_gbps:.0f} GB/s copy), "
         f"{link}; `{_short(top.name, 40)}` {p.per_step_us(top):.1f} us per step, at "
         f"{100 * p.copy_share(top):.0f}% of copy bandwidth were it to move those bytes.",
         "",
-        "| activity | per step | us per step | mean us | share of activity time |",
+        "| kernel (copy, fill) | per step | us per step | mean us | share of kernel time |",
         "|---|---|---|---|---|",
     ]
     total = sum(k.total_us for k in p.kernels) or 1.0
     for k in p.kernels[:TOP_KERNELS]:
         lines.append(
-            f"| `{_short(k.name)}` | {k.count / p.steps:g} | {p.per_step_us(k):.1f} | {k.mean_us:.1f} "
+            f"| `{_short(k.name)}` | {k.count / p.steps:.3g} | {p.per_step_us(k):.1f} | {k.mean_us:.1f} "
             f"| {100 * k.total_us / total:.0f}% |"
         )
     rest = p.kernels[TOP_KERNELS:]
@@ -361,7 +376,7 @@ def profile_markdown(p: StepProfile) -> str:
         us = sum(k.total_us for k in rest)
         count = sum(k.count for k in rest)
         lines.append(
-            f"| {len(rest)} others | {count / p.steps:g} | {us / p.steps:.1f} | {us / count:.1f} "
+            f"| {len(rest)} others | {count / p.steps:.3g} | {us / p.steps:.1f} | {us / count:.1f} "
             f"| {100 * us / total:.0f}% |"
         )
     return "\n".join(lines) + "\n"
@@ -376,15 +391,17 @@ def summary_markdown(profiles: Sequence[StepProfile], header: str) -> str:
         *(profile_markdown(p) for p in profiles),
         "### Summary (us per step)",
         "",
-        "| sharding | samples | mode | step us | device span us | activity us | idle in span us | outside span us "
-        "| memory floor us | longest activity: us per step, % of copy bandwidth | activities per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sharding | samples | mode | step us | profiled step us | device span us | kernel us (sum) | idle in span us "
+        "| outside span us "
+        "| memory floor us | longest kernel: us per step, % of copy bandwidth | kernels per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in profiles:
         top = _longest(p)
-        per_step = f"{sum(k.count for k in p.kernels) / p.steps:g}" if p.steps else "0"
+        per_step = f"{sum(k.count for k in p.kernels) / p.steps:.3g}" if p.steps else "0"
         lines.append(
-            f"| {p.sharding} | {p.batch_size} | {p.mode} | {p.step_us:.1f} | {p.span_us:.1f} | {p.kernel_us:.1f} "
+            f"| {p.sharding} | {p.batch_size} | {p.mode} | {p.step_us:.1f} | {p.profiled_step_us:.1f} "
+            f"| {p.span_us:.1f} | {p.kernel_us:.1f} "
             f"| {p.idle_us:.1f} | {p.outside_us:.1f} | {p.memory_floor_us:.1f} | {top} | {per_step} |"
         )
     return "\n".join(lines) + "\n"
@@ -404,6 +421,21 @@ def graphable(sharding: str) -> bool:
     return all(kind.startswith("pgas_") for kind in sharding.split("+"))
 
 
+def _timed_ms(fn: Callable[[int], None], i: int, device: torch.device) -> float:
+    """``fn(i)`` timed as ``timing.median_ms`` times a step (CUDA events on GPUs), the
+    device drained before it returns."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        fn(i)
+        return (time.perf_counter() - begin) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(i)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _device_profile(
     fn: Callable[[int], None], cfg: Config, sharding: str, mode: str, parts: floor.Floor, device: torch.device, pg, args
 ) -> StepProfile:
@@ -411,19 +443,19 @@ def _device_profile(
     each marked and drained; the timeline of every rank written, rank 0's summarized."""
     step_ms = timing.median_ms(fn, args.iters, args.warmup, device, pg)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiled: List[float] = []
     with profile(activities=activities) as prof:
         for i in range(args.replays):
             dist.barrier(group=pg)
             _sync(device)
             with record_function(f"{STEP_MARK} {i}"):
-                fn(i)
-                _sync(device)
+                profiled.append(_timed_ms(fn, i, device))
     name = f"{sharding}_{cfg.batch_size}_{mode}"
     path = os.path.join(args.out, f"graph_trace_{name}_rank{dist.get_rank(pg)}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         steps = step_activities(json.load(f)["traceEvents"])
-    result = summarize_steps(sharding, cfg.batch_size, mode, step_ms, steps, parts)
+    result = summarize_steps(sharding, cfg.batch_size, mode, step_ms, steps, profiled, parts)
     if dist.get_rank(pg) == 0:
         with open(os.path.join(args.out, f"graph_kernels_{name}.txt"), "w") as f:
             f.write(f"{'count':>7} {'total us':>11} {'mean us':>9}  name ({result.steps} steps)\n")
@@ -482,9 +514,10 @@ def graph_main(args: argparse.Namespace, device: torch.device) -> None:
         return
     hardware = f"{world} x {torch.cuda.get_device_name(device)}" if cuda else f"{world} CPU processes"
     not_graphed = [s for s in args.shardings.split(",") if not graphable(s)]
-    sizes = ", ".join(str(cfg.batch_size) for cfg in dict.fromkeys(cfg for cfg, _ in work))
+    sizes = "/".join(str(cfg.batch_size) for cfg in dict.fromkeys(cfg for cfg, _ in work))
+    label = base.label().replace(f"{base.batch_size}/rank", f"{sizes}/rank")
     header = (
-        f"{hardware}; {base.label()}, at batch sizes {sizes}; step: median of {args.iters} by "
+        f"{hardware}; {label}; step: median of {args.iters} by "
         f"{'CUDA events' if cuda else 'the host clock'}; "
         f"the rest: of {args.replays} profiled steps on rank 0 (activities: all; timeline: the median span's)."
         + (f" Not graphed (TorchRec's sharding cannot be captured): {', '.join(not_graphed)}." if not_graphed else "")
