@@ -578,6 +578,10 @@ def test_device_profile_assigns_each_kernel_to_its_step_and_finds_the_idle_gaps(
     section = text.split("### pgas_table_wise, 5 samples per rank, graphed")[1].split("### Summary")[0]
     assert "| `a` | 1 | 11.0 | 11.0 | 58% |" in section and "| `Memset` | 0.5 | 0.5 | 1.0 | 3% |" in section
     assert "idle 8.0 us inside the span" in section and "no link part (one rank)" in section
+    # The note's sentence: a step of median span has a and Memset; the others over both steps.
+    share = f"{100 * p.copy_share(table[0]):.0f}%"
+    gist = f"`a` 11.0 us of 50.0 (at {share} of copy bandwidth); 2 other kernels 4.0 us each; idle 8.0 us"
+    assert gist in section, section
     empty = profile.summarize_steps("table_wise", 5, "eager", 0.2, [[], []], [0.3, 0.4], parts)
     assert empty.steps == 0 and not empty.kernels and "no device activity" in profile.profile_markdown(empty)
     assert "| table_wise | 5 | eager | 200.0 | 0.0 | 0.0 |" in profile.summary_markdown([empty], "h")

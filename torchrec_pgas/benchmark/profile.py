@@ -352,6 +352,8 @@ def profile_markdown(p: StepProfile) -> str:
     lines = [
         title,
         "",
+        gist(p),
+        "",
         f"step {p.step_us:.1f} us (median, not profiled). The profiled step of median span (of {p.steps}): "
         f"{p.profiled_step_us:.1f} us, device span {p.span_us:.1f} us: kernels {p.kernel_us:.1f} us "
         f"(busy {p.busy_us:.1f} us), idle {p.idle_us:.1f} us inside the span; {p.outside_us:.1f} us outside "
@@ -380,6 +382,22 @@ def profile_markdown(p: StepProfile) -> str:
             f"| {100 * us / total:.0f}% |"
         )
     return "\n".join(lines) + "\n"
+
+
+def gist(p: StepProfile) -> str:
+    """The profile in one sentence: the longest kernel's share of the step and of copy
+    bandwidth, the other kernels, and the idle time (in the span, and outside it)."""
+    if not p.kernels:
+        return f"{p.sharding}, {p.batch_size}, {p.mode}: no device activity in the trace"
+    top, rest = p.kernels[0], p.kernels[1:]
+    others = sum(p.per_step_us(k) for k in rest)
+    count = sum(k.count for k in rest) / p.steps
+    return (
+        f"`{_short(top.name, 40)}` {p.per_step_us(top):.1f} us of {p.profiled_step_us:.1f} "
+        f"(at {100 * p.copy_share(top):.0f}% of copy bandwidth); {count:.3g} other kernels "
+        f"{others / count if count else 0.0:.1f} us each; idle {p.idle_us:.1f} us between kernels, "
+        f"{p.outside_us:.1f} us before and after them."
+    )
 
 
 def summary_markdown(profiles: Sequence[StepProfile], header: str) -> str:
