@@ -665,3 +665,10 @@ def test_profile_cuda_graph_mode_runs_on_two_cpu_processes_and_writes_its_summar
         == 6
     )
     assert "Not graphed (TorchRec's sharding cannot be captured): table_wise." in table.splitlines()[0]
+
+
+def test_floor_bandwidths_print_what_each_was_measured_with():
+    lines = [line for line in torchrun_ok("-m", "torchrec_pgas.benchmark.floor").splitlines() if "MiB: copy" in line]
+    assert [line.split()[0] for line in lines] == ["16", "64", "256"]
+    # CPU processes: the host transport's put (GPUs: device-initiated multi-block put+signal).
+    assert all("GB/s, host transport put" in line and float(line.split()[-4]) > 0 for line in lines), lines

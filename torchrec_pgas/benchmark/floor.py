@@ -263,10 +263,9 @@ def main() -> None:
     put = "device-initiated put" if device.type == "cuda" else "host transport put"
     for shift in (24, 26, 28):
         copy, link = copy_gbps(device, 1 << shift), link_gbps(group, device, 1 << shift)
+        puts = f"{put} {link:7.1f} GB/s per direction" if dist.get_world_size() > 1 else "no link (one rank)"
         if dist.get_rank() == 0:
-            print(
-                f"{1 << (shift - 20):>4} MiB: copy {copy:8.1f} GB/s, {put} {link:7.1f} GB/s per direction", flush=True
-            )
+            print(f"{1 << (shift - 20):>4} MiB: copy {copy:8.1f} GB/s, {puts}", flush=True)
     finish()
 
 
