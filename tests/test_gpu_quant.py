@@ -74,6 +74,17 @@ CASES = [
 ]
 
 
+def _tables(owners, seed, pooling=PoolingType.SUM):
+    """Tables of uneven sizes and dims, one per entry of ``owners``; the row-wise ones
+    (``"rw"``) of 37 rows and more, uneven row blocks that leave no rank of a world
+    of 2 to 4 without rows."""
+    tables = make_tables(len(owners), seed, pooling)
+    for i, (t, o) in enumerate(zip(tables, owners)):
+        if o == "rw":
+            t.num_embeddings = 37 + 2 * i
+    return tables
+
+
 def _owners(tables, owners, world_size):
     return {t.name: "pgas_row_wise" if o == "rw" else o % world_size for t, o in zip(tables, owners)}
 
@@ -83,7 +94,7 @@ def _forward(rank, world_size, dtypes):
     for dtype in dtypes:
         for case, (owners, pooling, weighted, sizes) in enumerate(CASES):
             for seed in range(2):
-                tables = make_tables(len(owners), 10 * case + seed, pooling)
+                tables = _tables(owners, 10 * case + seed, pooling)
                 placed = _owners(tables, owners, world_size)
                 ref, model = _served(tables, dtype, weighted, seed, placed, world_size)
                 tw_cols = torch.cat(
@@ -120,7 +131,7 @@ def test_gpu_quant_equals_unsharded(world_size, dtype):
 
 def _empty_batch(rank, world_size):
     """A rank with no sample at a later step: its output is empty, the others' right."""
-    tables = make_tables(3, seed=4)
+    tables = _tables((0, "rw", 1), seed=4)
     ref, model = _served(tables, "int8", False, 4, _owners(tables, (0, "rw", 1), world_size), world_size)
     for step, batch in enumerate([16, 0 if rank == world_size - 1 else 5 + rank, 7]):
         kjt = random_kjt(tables, batch, 40 + 10 * step + rank).to(GPU)
@@ -145,7 +156,7 @@ def _bad_batches(rank, world_size, owners, weighted):
     PgasInputError naming it (at a later forward or at ``raise_errors(model,
     wait=True)``), and the next batch is served right."""
     bad_rank = world_size - 1
-    tables = make_tables(len(owners), seed=6)
+    tables = _tables(owners, seed=6)
     ref, model = _served(tables, "int8", weighted, 6, _owners(tables, owners, world_size), world_size)
     last = tables[-1]
     model(random_kjt(tables, 20, 600 + rank, weighted).to(GPU))  # sets the exchanges up
@@ -197,7 +208,7 @@ def _graphed(rank, world_size, owners, dtype):
     """A serving step captured by ``torchrec_pgas.graphs.capture`` and replayed for new
     batches equals the eager step exactly, and the unsharded module (table-wise: bit
     for bit); eager steps after the first never synchronize with the host."""
-    tables = make_tables(len(owners), seed=8)
+    tables = _tables(owners, seed=8)
     ref, model = _served(tables, dtype, False, 8, _owners(tables, owners, world_size), world_size)
     batch_size = 11 + 4 * rank
     batches = [fixed_size_kjt(tables, batch_size, 800 + 10 * i + rank).to(GPU) for i in range(5)]
