@@ -450,7 +450,7 @@ def test_report_puts_the_floors_parts_in_columns_of_their_own_and_names_their_ba
     assert cells[1][-3:-1] == [f"{one['memory_ms']:.3f} at 4000 GB/s", "0 (one rank)"]
     # The legend says which bandwidth each part is taken at: the link's from device-initiated multi-block puts.
     assert report.FLOOR_LEGEND in table and MEMORY_BANDWIDTH in table and LINK_BANDWIDTH in table
-    assert "device-initiated" in LINK_BANDWIDTH and "32 rows of blocks" in LINK_BANDWIDTH
+    assert "device-initiated" in LINK_BANDWIDTH and "32 rows of put_signal's blocks" in LINK_BANDWIDTH
 
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "examples", "benchmark_results")

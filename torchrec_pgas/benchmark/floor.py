@@ -66,8 +66,8 @@ class Traffic:
 #: The bandwidth each part of the floor is taken at, as the report states it.
 MEMORY_BANDWIDTH = "copy bandwidth: a large device-to-device copy, bytes read plus written"
 LINK_BANDWIDTH = (
-    f"device-initiated put bandwidth: put+signal to the next rank issued from the device by "
-    f"{_LINK_ROWS} rows of blocks at once (put_signal's kernel, the path of the pooled rows); "
+    f"device-initiated put bandwidth: puts+signals to the next rank issued from the device by "
+    f"{_LINK_ROWS} rows of put_signal's blocks at once (the kernel that puts the pooled rows); "
     f"on CPUs the host transport's put"
 )
 
