@@ -347,6 +347,7 @@ def run(
 
         # TorchRec's serving path on rank 0, the others waiting.
         notes["torchrec quant"] = notes["torchrec quant graphed"] = torchrec_note
+        tr_kjts: List[KeyedJaggedTensor] = []
         if tr_model is not None:
             global_cfg = dataclasses.replace(cfg, batch_size=samples)
             tr_kjts = kjts if world == 1 else workload.batches(global_cfg, device, BATCHES, 0)
@@ -356,19 +357,6 @@ def run(
                     diff = max(float((theirs[k] - first[k]).abs().max()) for k in first)
                     checks.append(f"batch {b}: pgas eager vs torchrec quant, max abs difference {diff:.3g}")
                 times["torchrec quant"] = latencies(step_of(tr_model, tr_kjts), args.iters, args.warmup, device, None)
-            progress.update()
-            if not tr_graph_note:
-                try:
-                    tr_step = _graph(tr_model, tr_kjts[0], tr_model)
-                    times["torchrec quant graphed"] = latencies(
-                        step_of(tr_step, tr_kjts), args.iters, args.warmup, device, None
-                    )
-                    del tr_step
-                except Exception as e:  # noqa: BLE001 - reported as the path's note
-                    tr_graph_note = _failure(e)  # not tried again: the same step fails the same way
-            notes["torchrec quant graphed"] = tr_graph_note
-        else:
-            progress.update()
         progress.update()
         dist.barrier(group=pg)
 
@@ -378,6 +366,21 @@ def run(
         else:
             notes["float table_wise"] = "left out (--no-float)"
         progress.update()
+
+        # Last: a capture that fails may leave the device's state behind it unclear.
+        if tr_model is not None and not tr_graph_note:
+            try:
+                tr_step = _graph(tr_model, tr_kjts[0], tr_model)
+                times["torchrec quant graphed"] = latencies(
+                    step_of(tr_step, tr_kjts), args.iters, args.warmup, device, None
+                )
+                del tr_step
+            except Exception as e:  # noqa: BLE001 - reported as the path's note
+                tr_graph_note = _failure(e)  # not tried again: the same step fails the same way
+        if tr_model is not None:
+            notes["torchrec quant graphed"] = tr_graph_note
+        progress.update()
+        dist.barrier(group=pg)
         rows += [summary(path, b, samples, times.get(path), notes.get(path, "")) for path in PATHS]
     progress.close()
     return with_ratios(rows), checks
