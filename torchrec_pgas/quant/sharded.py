@@ -279,7 +279,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 [TwFeature(name=f, table=t.name, num_embeddings=t.num_embeddings) for t in ts for f in t.feature_names]
                 for ts in per_rank
             ]
-            exchange = self._exchange(
+            exchange = self._make_exchange(
                 TwExchange,
                 transport,
                 _group_sizes(per_rank[rank]),
@@ -304,7 +304,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 dataclasses.replace(copy.deepcopy(t), num_embeddings=rows[t.name][rank], pooling=PoolingType.SUM)
                 for t in row_wise
             ]
-            exchange = self._exchange(
+            exchange = self._make_exchange(
                 RwExchange,
                 transport,
                 _group_sizes(mine),
@@ -345,7 +345,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
         self._columns = columns.to(device) if columns is not None else None
 
-    def _exchange(
+    def _make_exchange(
         self, host_type: Type[TwExchange], transport: object, group_sizes: List[int], **args: object
     ) -> TwExchange:
         """``host_type`` (``TwExchange``, ``RwExchange``) of ``args`` on the host
