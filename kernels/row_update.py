@@ -8,8 +8,9 @@ ids were keyed and sorted first (``update_keys``, then a stable sort, which puts
 row's occurrences together in batch order and the unused positions last), so the update
 reads only the batch's ids and a captured step updates exactly the rows the batch read.
 
-Program ``p`` looks at sorted positions ``p * PER_PROGRAM ...``; at each position that
-starts a row's run it sums the run's gradient rows (each occurrence's bag's row of
+Program ``p`` takes sorted positions ``p * PER_PROGRAM ...`` at once (rows in parallel:
+the update is bound by the latency of its scattered reads); each position that starts a
+row's run sums the run's gradient rows (each occurrence's bag's row of
 ``grad`` at its feature's column, times its per-sample weight, over the bag's length
 for mean pooling; in fp32, in batch order) and applies the optimizer to the row:
 
@@ -84,55 +85,58 @@ def row_update_kernel(
     for q in range(num_sources):
         bad |= (tl.load(record_ptr + q * HEADER_WORDS) != OK).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
-    first = tl.program_id(0).to(tl.int64) * PER_PROGRAM
-    for i in range(PER_PROGRAM):
-        p = first + i
-        key = tl.load(keys_ptr + p, mask=p < n, other=SENTINEL)
-        before = tl.load(keys_ptr + p - 1, mask=(p > 0) & (p < n), other=SENTINEL)
-        if (key != SENTINEL) & (key != before) & (bad == 0):
-            f0 = tl.load(bag_of_ptr + tl.load(order_ptr + p)) // bags_per_feature
-            dim = tl.load(features_ptr + f0 * FEATURE_WORDS + 1)
-            inside = d < dim
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            j = p
-            more = p < n
-            while more:
-                pos = tl.load(order_ptr + j)
-                bag = tl.load(bag_of_ptr + pos)
-                f = bag // bags_per_feature
-                row = bag - f * bags_per_feature
-                col = tl.load(features_ptr + f * FEATURE_WORDS + 2)
-                scale = tl.full([], 1.0, tl.float32)
-                if WEIGHTED:
-                    scale = tl.load(weights_ptr + pos)
-                if tl.load(features_ptr + f * FEATURE_WORDS + 3) != 0:
-                    length = tl.load(offsets_ptr + bag + 1) - tl.load(offsets_ptr + bag)
-                    scale = scale * (1.0 / length.to(tl.float32))
-                g = tl.load(grad_ptr + row * pitch + col + d, mask=inside, other=0.0)
-                acc += g.to(tl.float32) * scale
-                j += 1
-                more = tl.load(keys_ptr + j, mask=j < n, other=SENTINEL) == key
-            w_ptr = table_ptr + key + d
-            w = tl.load(w_ptr, mask=inside, other=0.0)
-            if OPTIM == 0:
-                w = w - learning_rate * acc
-            else:
-                g2 = acc
-                if weight_decay_mode == 1:
-                    g2 = acc + weight_decay * w
-                g_avg_square = tl.sum(g2 * g2, axis=0) / dim.to(tl.float32)
-                table_at = tl.load(features_ptr + f0 * FEATURE_WORDS)
-                s_ptr = state_ptr + tl.load(features_ptr + f0 * FEATURE_WORDS + 4) + (key - table_at) // dim
-                m = tl.load(s_ptr) + g_avg_square
-                tl.store(s_ptr, m)
-                multiplier = learning_rate / (tl.sqrt_rn(m) + eps)
-                correction = tl.full([], 1.0, tl.float32)
-                if weight_decay_mode == 1:
-                    correction = 1.0 - multiplier * weight_decay
-                elif weight_decay_mode == 2:
-                    correction = 1.0 - learning_rate * weight_decay
-                w = correction * w - multiplier * acc
-            tl.store(w_ptr, w, mask=inside)
+    p = tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
+    key = tl.load(keys_ptr + p, mask=p < n, other=SENTINEL)
+    before = tl.load(keys_ptr + p - 1, mask=(p > 0) & (p < n), other=SENTINEL)
+    # The positions that start a row's run: each sums its run and updates the row.
+    start = (p < n) & (key != SENTINEL) & (key != before) & (bad == 0)
+    f0 = tl.load(bag_of_ptr + tl.load(order_ptr + p, mask=start, other=0), mask=start, other=0) // bags_per_feature
+    dim = tl.load(features_ptr + f0 * FEATURE_WORDS + 1, mask=start, other=0)
+    inside = start[:, None] & (d[None, :] < dim[:, None])
+    acc = tl.zeros([PER_PROGRAM, BLOCK_D], dtype=tl.float32)
+    j = p
+    live = start
+    while tl.max(live.to(tl.int32), axis=0) > 0:
+        pos = tl.load(order_ptr + j, mask=live, other=0)
+        bag = tl.load(bag_of_ptr + pos, mask=live, other=0)
+        f = bag // bags_per_feature
+        row = bag - f * bags_per_feature
+        col = tl.load(features_ptr + f * FEATURE_WORDS + 2, mask=live, other=0)
+        scale = tl.full([PER_PROGRAM], 1.0, tl.float32)
+        if WEIGHTED:
+            scale = tl.load(weights_ptr + pos, mask=live, other=0.0)
+        mean = tl.load(features_ptr + f * FEATURE_WORDS + 3, mask=live, other=0) != 0
+        length = tl.load(offsets_ptr + bag + 1, mask=live & mean, other=1) - tl.load(
+            offsets_ptr + bag, mask=live & mean, other=0
+        )
+        scale = tl.where(mean, scale * (1.0 / length.to(tl.float32)), scale)
+        m = live[:, None] & inside
+        g = tl.load(grad_ptr + row[:, None] * pitch + col[:, None] + d[None, :], mask=m, other=0.0)
+        acc += g.to(tl.float32) * scale[:, None]
+        j += 1
+        live = live & (tl.load(keys_ptr + j, mask=live & (j < n), other=SENTINEL) == key)
+    w_ptr = table_ptr + key[:, None] + d[None, :]
+    w = tl.load(w_ptr, mask=inside, other=0.0)
+    if OPTIM == 0:
+        w = w - learning_rate * acc
+    else:
+        g2 = acc
+        if weight_decay_mode == 1:
+            g2 = acc + weight_decay * w
+        g_avg_square = tl.sum(g2 * g2, axis=1) / tl.maximum(dim, 1).to(tl.float32)
+        table_at = tl.load(features_ptr + f0 * FEATURE_WORDS, mask=start, other=0)
+        state_at = tl.load(features_ptr + f0 * FEATURE_WORDS + 4, mask=start, other=0)
+        s_ptr = state_ptr + state_at + (key - table_at) // tl.maximum(dim, 1)
+        sum_square = tl.load(s_ptr, mask=start, other=0.0) + g_avg_square
+        tl.store(s_ptr, sum_square, mask=start)
+        multiplier = learning_rate / (tl.sqrt_rn(sum_square) + eps)
+        correction = tl.full([PER_PROGRAM], 1.0, tl.float32)
+        if weight_decay_mode == 1:
+            correction = 1.0 - multiplier * weight_decay
+        elif weight_decay_mode == 2:
+            correction = correction - learning_rate * weight_decay
+        w = correction[:, None] * w - multiplier[:, None] * acc
+    tl.store(w_ptr, w, mask=inside)
 
 
 _launcher = Launcher(row_update_kernel)

@@ -169,16 +169,18 @@ def test_shared_gpu_put_path_training_matches_host(world_size):
     )
 
 
-def _bad_batches(rank, world_size):
+def _bad_batches(rank, world_size, grad):
     """A bad batch on the last rank raises the same error on every rank, and the next
     good batch is served right, in a module of pgas_table_wise only (the direct path)
     and one mixing pgas_table_wise and pgas_row_wise (the direct path too):
     ids out of range, a negative length whose lengths still add up, 2-D values, a
     missing key, and an error while the send is prepared (its message must reach
-    every rank)."""
+    every rank); under autograd (``grad``) or not. Every case runs; the failures are
+    named together at the end."""
     from torchrec_pgas.sharding import tw_device_exchange
 
     bad_rank = world_size - 1
+    failed = []
     for row_wise in ((), ("t1",)):
         tables = make_tables(3, seed=3)
         torch.manual_seed(3)
@@ -214,22 +216,32 @@ def _bad_batches(rank, world_size):
 
                 tw_device_exchange.send_input = fails
             match = f"rank {bad_rank}" + (".*RuntimeError: prepared to fail" if kjt_bad is None else "")
+            case = f"{what}, row-wise {row_wise}"
             try:
                 # Under autograd, as in inference, the device finds the bad batch: every
                 # rank raises by ``raise_errors`` at the latest (the host path of the bad
                 # rank, at once).
-                with pytest.raises(PgasInputError, match=match):
+                with torch.set_grad_enabled(grad), pytest.raises(PgasInputError, match=match):
                     gpu(kjt.to(GPU)).to_dict()
                     raise_errors(gpu, wait=True)
+            except BaseException as e:  # noqa: BLE001 (named with the others below)
+                failed.append(f"{case}: not raised right: {e!r}"[:300])
             finally:
                 tw_device_exchange.send_input = real
             nxt = random_kjt(tables, 5 + 3 * rank, 70 * i + rank)
-            out = gpu(nxt.to(GPU)).to_dict()
-            expected = reference_pooled(tables, ref.state_dict(), nxt, row_wise=row_wise)
-            assert_close_to_reference(out, expected)
+            try:
+                with torch.set_grad_enabled(grad):
+                    out = gpu(nxt.to(GPU)).to_dict()
+                    raise_errors(gpu, wait=True)
+                expected = reference_pooled(tables, ref.state_dict(), nxt, row_wise=row_wise)
+                assert_close_to_reference(out, expected)
+            except BaseException as e:  # noqa: BLE001
+                failed.append(f"{case}: the next batch: {e!r}"[:300])
+    assert not failed, f"rank {rank}, grad {grad}:\n" + "\n".join(failed)
     dist.barrier()
 
 
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size):
-    run_ranks(_bad_batches, world_size, deadline_s=DEADLINE_S)
+def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size, grad):
+    run_ranks(_bad_batches, world_size, grad=grad, deadline_s=DEADLINE_S)

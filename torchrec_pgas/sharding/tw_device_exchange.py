@@ -149,7 +149,8 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.depth,
             self._t.timeout_ns,
         )
-        self._my_batches.append(x.batch if x.batch <= layout.batch_capacity else 0)
+        # (Its batch size, and whether this rank's host found the batch bad.)
+        self._my_batches.append((x.batch if x.batch <= layout.batch_capacity else 0, x.problem is not None))
         return step
 
     # ---------------------------------------------------------------- receive
@@ -180,13 +181,9 @@ class DeviceTwExchange(DeviceTwSetup):
             self._t.timeout_ns,
         )
         training = torch.is_grad_enabled()
-        route = DeviceRoute(
-            record=record,
-            my_batch=self._my_batches.popleft(),
-            step=step,
-            divisor=divisor,
-            check_now=training,
-        )
+        my_batch, bad_here = self._my_batches.popleft()
+        checked = training or bad_here
+        route = DeviceRoute(record=record, my_batch=my_batch, step=step, divisor=divisor, check_now=checked)
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
             if self._fused.enabled and (not training or self._update.enabled):
@@ -194,7 +191,10 @@ class DeviceTwExchange(DeviceTwSetup):
                 # (``lookup_put`` decides whether the step is checked now).
                 buffers.hold(step, ids_step)
                 batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
-                route.check_now = False
+                # A rank that sent a bad batch of its own knows the step fails: it
+                # raises at the step's output, before the module puts outputs of other
+                # sizes together (every other rank, later).
+                route.check_now = bad_here
                 return batch
             batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, training)
         # Everything is read (stream ordered): release the slots to their sources.
@@ -235,7 +235,7 @@ class DeviceTwExchange(DeviceTwSetup):
         if tables is None or (training and updates is None):
             batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, training)
             # Before FBGEMM's backward can apply a bad step's gradients.
-            batch.route.check_now = training
+            batch.route.check_now |= training
             buffers.release_held()
             return None
         update = None
