@@ -30,6 +30,8 @@ def test_remote_path_takes_auto_or_put_only():
     assert PgasOptions(remote_path="put").remote_path == "put"
     with pytest.raises(ValueError, match=r"remote_path must be one of \['auto', 'put'\], got 'puts'"):
         PgasOptions(remote_path="puts")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sparse_update must be one of \['fused', 'fbgemm'\], got 'FBGEMM'"):
+        PgasOptions(sparse_update="FBGEMM")  # type: ignore[arg-type]
 
 
 def _fake_nvshmem(rank, unmapped, arrives=True):

@@ -16,6 +16,7 @@ TransportKind = Literal["auto", "host", "nvshmem"]
 
 #: How the GPU path writes into a peer's memory (``PgasOptions.remote_path``).
 RemotePath = Literal["auto", "put"]
+SparseUpdate = Literal["fused", "fbgemm"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,16 @@ class PgasOptions:
             runs the code of the multi-node path on one node (to test it), and is the
             path that works for several ranks sharing one GPU, where peer mappings are
             not reliable.
+        sparse_update: how a GPU training step updates fused tables. ``"fused"``:
+            for ``EXACT_SGD`` and ``EXACT_ROWWISE_ADAGRAD`` over fp32 tables in device
+            memory, the backward applies the optimizer with this project's kernels
+            over an index tensor of fixed capacity: the step reads nothing back to the
+            host and can be captured in a CUDA graph (weights equal FBGEMM's to fp32
+            rounding); other tables take FBGEMM's backward. ``"fbgemm"``: FBGEMM's
+            fused backward always, as under TorchRec's sharding types, at the cost of
+            one read-back per step (the batch's id count: FBGEMM sorts its whole index
+            tensor); the faster choice for eager training at large batches today
+            (examples/benchmark_results/README.md).
 
     Every rank must pass equal options: the sharding checks it when it sets up its
     exchange and raises on every rank, naming the fields that differ.
@@ -48,9 +59,10 @@ class PgasOptions:
     headroom: float = 2.0
     transport: TransportKind = "auto"
     remote_path: RemotePath = "auto"
+    sparse_update: SparseUpdate = "fused"
 
     def __post_init__(self) -> None:
-        if self.remote_path not in get_args(RemotePath):
-            raise ValueError(
-                f"PgasOptions.remote_path must be one of {list(get_args(RemotePath))}, got {self.remote_path!r}"
-            )
+        for field, allowed in (("remote_path", RemotePath), ("sparse_update", SparseUpdate)):
+            value = getattr(self, field)
+            if value not in get_args(allowed):
+                raise ValueError(f"PgasOptions.{field} must be one of {list(get_args(allowed))}, got {value!r}")

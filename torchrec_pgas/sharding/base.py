@@ -33,7 +33,7 @@ from torchrec_pgas.sharding.tw_base import setup_failed_earlier
 from torchrec_pgas.types import PgasOptions
 
 
-def lookup_options(configs: List[Any]) -> Dict[str, Any]:
+def lookup_options(configs: List[Any], options: PgasOptions) -> Dict[str, Any]:
     """What the GPU exchanges need to know of the owner's lookup groups."""
     fused = all(c.compute_kernel == EmbeddingComputeKernel.FUSED for c in configs)
     return dict(
@@ -44,6 +44,7 @@ def lookup_options(configs: List[Any]) -> Dict[str, Any]:
         lookup_reads_only_bags=fused and "FBGEMM_TBE_BOUNDS_CHECK_MODE" not in os.environ,
         fused_lookup=fused
         and all(c.pooling in (PoolingType.SUM, PoolingType.MEAN) and not c.has_feature_processor for c in configs),
+        fused_update=options.sparse_update == "fused",
     )
 
 

@@ -94,4 +94,5 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             return RwExchange(transport=transport, **args)
         from torchrec_pgas.sharding.rw_device_exchange import DeviceRwExchange
 
-        return DeviceRwExchange(transport=transport, **args, **lookup_options(self._grouped_embedding_configs))  # type: ignore[arg-type]
+        lookup = lookup_options(self._grouped_embedding_configs, self._options)
+        return DeviceRwExchange(transport=transport, **args, **lookup)  # type: ignore[arg-type]

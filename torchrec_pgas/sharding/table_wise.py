@@ -52,4 +52,5 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             return TwExchange(transport=transport, **args)
         from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 
-        return DeviceTwExchange(transport=transport, **args, **lookup_options(self._grouped_embedding_configs))  # type: ignore[arg-type]
+        lookup = lookup_options(self._grouped_embedding_configs, self._options)
+        return DeviceTwExchange(transport=transport, **args, **lookup)  # type: ignore[arg-type]

@@ -38,7 +38,8 @@ class DeviceTwSetup(BaseTwExchange):
     lookup order), whether the plan's tables are weighted, whether the lookup reads
     only the bags' ids (else it gets exactly the batch's ids), whether inference may
     pool with ``lookup_put`` (every group FBGEMM ``FUSED``, sum or mean pooling, no
-    feature processor), which owner gets which ids (``routing``, default
+    feature processor), whether a training step may update those tables itself
+    (``fused_update.py``; ``PgasOptions.sparse_update``), which owner gets which ids (``routing``, default
     ``TableWiseIds``) and where owners store pooled rows (``output``, default one
     block, each owner at its columns). Its ``DeviceBuffers`` come at the first send
     (``_allocate``, collective); ``close`` frees them."""
@@ -50,6 +51,7 @@ class DeviceTwSetup(BaseTwExchange):
         weighted: bool,
         lookup_reads_only_bags: bool,
         fused_lookup: bool,
+        fused_update: bool = False,
         routing: Optional[IdsRouting] = None,
         output: Optional[OutputBlocks] = None,
         **plan: Any,
@@ -66,7 +68,7 @@ class DeviceTwSetup(BaseTwExchange):
         self._exact_always = not lookup_reads_only_bags
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
-        self._update = FusedUpdate(fused_lookup, weighted, self._dev)
+        self._update = FusedUpdate(fused_lookup and fused_update, weighted, self._dev)
         self._my_batches: Deque[Tuple[int, bool]] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
         self._text: Optional[torch.Tensor] = None  # the message a failing send puts
