@@ -149,8 +149,7 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.depth,
             self._t.timeout_ns,
         )
-        # (Its batch size, and whether this rank's host found the batch bad.)
-        self._my_batches.append((x.batch if x.batch <= layout.batch_capacity else 0, x.problem is not None))
+        self._my_batches.append(_output_rows(kjt, x.batch, x.problem is not None, layout.batch_capacity))
         return step
 
     # ---------------------------------------------------------------- receive
@@ -181,9 +180,8 @@ class DeviceTwExchange(DeviceTwSetup):
             self._t.timeout_ns,
         )
         training = torch.is_grad_enabled()
-        my_batch, bad_here = self._my_batches.popleft()
-        checked = training or bad_here
-        route = DeviceRoute(record=record, my_batch=my_batch, step=step, divisor=divisor, check_now=checked)
+        my_batch = self._my_batches.popleft()
+        route = DeviceRoute(record=record, my_batch=my_batch, step=step, divisor=divisor, check_now=training)
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
             if self._fused.enabled and (not training or self._update.enabled):
@@ -191,10 +189,7 @@ class DeviceTwExchange(DeviceTwSetup):
                 # (``lookup_put`` decides whether the step is checked now).
                 buffers.hold(step, ids_step)
                 batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
-                # A rank that sent a bad batch of its own knows the step fails: it
-                # raises at the step's output, before the module puts outputs of other
-                # sizes together (every other rank, later).
-                route.check_now = bad_here
+                route.check_now = False
                 return batch
             batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, training)
         # Everything is read (stream ordered): release the slots to their sources.
@@ -365,3 +360,16 @@ class DeviceTwExchange(DeviceTwSetup):
         # A view of the slots, valid until the next backward releases them. Rows past a
         # source's batch belong to empty bags: FBGEMM's backward never reads them.
         return buffers.grad_view
+
+
+def _output_rows(kjt: KeyedJaggedTensor, batch: int, bad: bool, capacity: int) -> int:
+    """The rows of this rank's output of a step it sent ``batch`` samples for: a bad
+    batch is sent with size 0 (its data is not read) but still gets a (NaN) output of
+    its own size where that is known, so that a module joins it with the outputs of its
+    other shardings, whose sends of the same batch may have gone through."""
+    if bad:
+        try:
+            batch = int(kjt.stride())
+        except Exception:  # noqa: BLE001 (a batch too broken to say its size)
+            batch = 0
+    return batch if 0 <= batch <= capacity else 0
