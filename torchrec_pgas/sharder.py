@@ -41,7 +41,7 @@ from torchrec_pgas.sharding.batch_checks import (
 )
 from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, TwFeature, with_float32_weights
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, feature_rows, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
@@ -282,21 +282,11 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._has_uninitialized_input_dist:
             self._create_input_dist(keys)
             self._has_uninitialized_input_dist = False
-        rows = self._feature_rows()
+        rows = feature_rows(self._embedding_bag_configs)
         for x in exchanges:
             adopted = x.adopt_input_order(keys, rows)
             assert adopted, "an exchange refused the input order it said it takes"
         return True
-
-    def _feature_rows(self) -> List[TwFeature]:
-        """Every feature of the module with the rows its ids index: those of its table
-        with the fewest, where several pool it."""
-        rows: Dict[str, TwFeature] = {}
-        for config in self._embedding_bag_configs:
-            for f in config.feature_names:
-                if f not in rows or config.num_embeddings < rows[f].num_embeddings:
-                    rows[f] = TwFeature(f, config.name, config.num_embeddings)
-        return list(rows.values())
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,

@@ -36,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,7 +44,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from tqdm import tqdm
 
-from torchrec_pgas.benchmark import workload
+from torchrec_pgas.benchmark import timing, workload
 from torchrec_pgas.benchmark.config import Config, add_config_args, base_config, batch_sweep, table_specs
 
 DEFAULT_BATCH_SIZES = (256, 1024, 8192)
@@ -144,23 +143,7 @@ def latencies(
     """Milliseconds of ``fn(i)`` for ``iters`` steps after ``warmup``: with ``pg``,
     every rank steps, starting together, and a step's time is its slowest rank's;
     without, this rank alone."""
-    for i in range(warmup):
-        fn(i)
-    times = []
-    for i in range(iters):
-        if pg is not None:
-            dist.barrier(group=pg)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn(i)
-            times.append((time.perf_counter() - begin) * 1e3)
+    times = timing.step_times(fn, iters, warmup, device, pg)
     if pg is None:
         return times
     slowest = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(pg) == "nccl" else "cpu")

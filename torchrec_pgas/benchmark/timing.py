@@ -3,20 +3,23 @@
 import platform
 import statistics
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def median_ms(fn: Callable[[int], None], iters: int, warmup: int, device: torch.device, pg: dist.ProcessGroup) -> float:
-    """The slowest rank's median time of ``fn(i)`` over ``iters`` runs after ``warmup``
-    (a step is as fast as its slowest rank). Ranks start each run together."""
+def step_times(
+    fn: Callable[[int], Any], iters: int, warmup: int, device: torch.device, pg: Optional[dist.ProcessGroup]
+) -> List[float]:
+    """This rank's milliseconds of ``fn(i)`` for ``iters`` runs after ``warmup``; with
+    ``pg``, the ranks start each run together."""
     for i in range(warmup):
         fn(i)
     times = []
     for i in range(iters):
-        dist.barrier(group=pg)
+        if pg is not None:
+            dist.barrier(group=pg)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -28,6 +31,13 @@ def median_ms(fn: Callable[[int], None], iters: int, warmup: int, device: torch.
             begin = time.perf_counter()
             fn(i)
             times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def median_ms(fn: Callable[[int], None], iters: int, warmup: int, device: torch.device, pg: dist.ProcessGroup) -> float:
+    """The slowest rank's median time of ``fn(i)`` over ``iters`` runs after ``warmup``
+    (a step is as fast as its slowest rank). Ranks start each run together."""
+    times = step_times(fn, iters, warmup, device, pg)
     median = torch.tensor([statistics.median(times)], device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=pg)
     return float(median)

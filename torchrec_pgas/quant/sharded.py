@@ -51,7 +51,7 @@ from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_probl
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
 from torchrec_pgas.sharding.rw_exchange import RwExchange
-from torchrec_pgas.sharding.tw_base import TwFeature, with_float32_weights
+from torchrec_pgas.sharding.tw_base import TwFeature, feature_rows, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasOptions
@@ -336,7 +336,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         # Where ``torchrec_pgas.graphs`` finds the exchanges (CUDA graphs, deferred errors).
         self._embedding_shardings = [_ServedExchange(exchange) for exchange, _, _ in self._parts]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
-        self._feature_rows = _feature_rows(configs)
+        self._feature_rows = feature_rows(configs)
         self._batch_keys: Optional[List[str]] = None
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
         # GPUs: whether batches go to every exchange whole (decided on the first).
@@ -464,18 +464,6 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         if self._columns is not None:
             out = out.index_select(1, self._columns)
         return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
-
-
-def _feature_rows(configs: Sequence[EmbeddingBagConfig]) -> List[TwFeature]:
-    """Every feature of the module with the rows its ids index: those of its table
-    with the fewest, where several pool it (what an exchange given the whole batch
-    checks every feature's ids against)."""
-    rows: Dict[str, TwFeature] = {}
-    for t in configs:
-        for f in t.feature_names:
-            if f not in rows or t.num_embeddings < rows[f].num_embeddings:
-                rows[f] = TwFeature(f, t.name, t.num_embeddings)
-    return list(rows.values())
 
 
 class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):

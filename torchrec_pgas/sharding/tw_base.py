@@ -319,6 +319,18 @@ class BaseTwExchange:
         return batch_problem(kjt, self._input_keys)
 
 
+def feature_rows(configs: Sequence[Any]) -> List[TwFeature]:
+    """Every feature of a module's tables (``EmbeddingBagConfig``s) with the rows its
+    ids index: those of its table with the fewest, where several pool it (what an
+    exchange given the whole batch checks every feature's ids against)."""
+    rows: Dict[str, TwFeature] = {}
+    for config in configs:
+        for f in config.feature_names:
+            if f not in rows or config.num_embeddings < rows[f].num_embeddings:
+                rows[f] = TwFeature(f, config.name, config.num_embeddings)
+    return list(rows.values())
+
+
 def setup_failed_earlier(name: str, error: BaseException) -> PgasError:
     """What every call after a failed set-up raises (``error`` as its cause): a
     set-up is collective, so one rank cannot retry it alone."""
