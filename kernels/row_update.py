@@ -20,7 +20,9 @@ for mean pooling; in fp32, in batch order) and applies the optimizer to the row:
   g`` with ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
 
 Nothing is updated for a bad step (a source's header in ``record`` is not ``OK``, or
-its error record holds an error): its outputs were NaN and the host raises for it.
+its error record holds an error): its outputs were NaN and the host raises for it; nor
+once the transport's error record (``err``) holds one, such as the backward's wait for
+the gradients that timed out.
 
 Buffers:
     keys:      int64 [N]  the sorted keys (``update_keys``)
@@ -35,6 +37,7 @@ Buffers:
     table:     float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
     state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
     record:    int64 [S * 8 + 4]  the step's headers, then its error record
+    err:       int64 [4]  the transport's error record (see ``signals.py``)
 """
 
 import torch
@@ -45,7 +48,9 @@ from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, SENTINEL
 
+#: Sorted positions per program at most, and the elements of one program's tile.
 PER_PROGRAM = 16
+TILE = 2048
 NUM_WARPS = 4
 #: ``OPTIM`` values.
 SGD, ROWWISE_ADAGRAD = 0, 1
@@ -64,6 +69,7 @@ def row_update_kernel(
     table_ptr,
     state_ptr,
     record_ptr,
+    err_ptr,
     n: tl.int64,
     bags_per_feature: tl.int64,
     pitch: tl.int64,
@@ -81,7 +87,10 @@ def row_update_kernel(
     PER_PROGRAM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # The forward's error record, and the transport's now (a backward wait that timed
+    # out left the gradient slots stale).
     bad = (tl.load(record_ptr + num_sources * HEADER_WORDS) != 0).to(tl.int32)
+    bad |= (tl.load(err_ptr) != 0).to(tl.int32)
     for q in range(num_sources):
         bad |= (tl.load(record_ptr + q * HEADER_WORDS) != OK).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
@@ -153,6 +162,7 @@ def row_update(
     table: torch.Tensor,
     state: torch.Tensor,
     record: torch.Tensor,
+    err: torch.Tensor,
     bags_per_feature: int,
     num_sources: int,
     max_dim: int,
@@ -163,11 +173,14 @@ def row_update(
     weight_decay_mode: int,
     weighted: bool,
 ) -> None:
-    """Launches ``cdiv(N, PER_PROGRAM)`` programs (see the module docstring)."""
+    """Launches ``cdiv(N, rows)`` programs of ``rows`` sorted positions each, fewer
+    than ``PER_PROGRAM`` for wide rows (a program's tile stays ``TILE`` elements)."""
     n = keys.numel()
     if n == 0:
         return
-    _launcher[(cdiv(n, PER_PROGRAM),)](
+    block_d = max(next_power_of_2(max_dim), 16)
+    rows = max(1, min(PER_PROGRAM, TILE // block_d))
+    _launcher[(cdiv(n, rows),)](
         keys,
         order,
         bag_of,
@@ -178,6 +191,7 @@ def row_update(
         table,
         state,
         record,
+        err,
         n,
         bags_per_feature,
         grad.stride(0),
@@ -192,7 +206,7 @@ def row_update(
         FEATURE_WORDS=FEATURE_WORDS,
         HEADER_WORDS=HEADER_WORDS,
         OK=_OK,
-        PER_PROGRAM=PER_PROGRAM,
-        BLOCK_D=max(next_power_of_2(max_dim), 16),
+        PER_PROGRAM=rows,
+        BLOCK_D=block_d,
         num_warps=NUM_WARPS,
     )

@@ -331,6 +331,7 @@ CASES = {
             "table_ptr": "*fp32",
             "state_ptr": "*fp32",
             "record_ptr": "*i64",
+            "err_ptr": "*i64",
         },
         [
             {

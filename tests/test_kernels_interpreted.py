@@ -762,6 +762,7 @@ def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, se
 
 @_interpreted
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize(
     "optimizer,weighted,mean,wd_mode",
     [
@@ -774,13 +775,14 @@ def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, se
         ("EXACT_ROWWISE_ADAGRAD", False, True, 2),
     ],
 )
-def test_row_update_matches_fbgemm_fused_backward(k, seed, optimizer, weighted, mean, wd_mode):
+def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weighted, mean, wd_mode):
     """The fused sparse update of a padded, fixed-capacity index tensor equals a float64
     reference of FBGEMM's GPU update and, without weight decay (which FBGEMM's CPU
     kernel ignores), FBGEMM's fused backward of exactly the batch's ids (weights and
     optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
-    empty bags. A bad step's record leaves everything as it was."""
-    dims = [8, 16, 4]
+    empty bags; rows wide enough (``wide``) that a program takes fewer positions. A bad
+    step's record, or an error of the transport, leaves everything as it was."""
+    dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
     tbe, rows = _fbgemm_cpu_tbe(optimizer, dims, table_of, mean, wd_mode, seed)
@@ -815,10 +817,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, optimizer, weighted, 
     sorted_keys, order = torch.sort(keys, stable=True)
     S = 3
 
-    def run(record):
+    def run(record, err=torch.zeros(4, dtype=torch.int64)):
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         k.row_update.row_update(
-            sorted_keys, order, bag_of, offsets, psw_in, features, grad, table, state, record, B, S,
+            sorted_keys, order, bag_of, offsets, psw_in, features, grad, table, state, record, err, B, S,
             max(dims), k.row_update.SGD if optimizer == "EXACT_SGD" else k.row_update.ROWWISE_ADAGRAD,
             0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode, weighted,
         )  # fmt: skip
@@ -830,6 +832,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, optimizer, weighted, 
     bad_record = ok_record.clone()
     bad_record[HEADER_WORDS] = int(Status.ID_OUT_OF_RANGE)
     assert torch.equal(run(bad_record)[0], w0)
+    timed_out = torch.tensor([1, 0, 0, 0], dtype=torch.int64)  # a wait of the backward timed out
+    assert torch.equal(run(ok_record, timed_out)[0], w0)
 
     # The float64 reference: per row, the batch-order sum of its occurrences' gradients.
     ref_w, ref_m = w0.double().clone(), m0.double().clone()

@@ -233,14 +233,17 @@ class LookupGroups:
         self._bags_dev = torch.tensor(self._bags, dtype=torch.int64, device=device)
 
     def kjts(
-        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, for_fbgemm_backward: bool
+        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, exact: bool, for_update: bool = False
     ) -> List[KeyedJaggedTensor]:
         """The lookup groups' KJTs of a step, gathered from its slots (in ``ids``, the
-        mailbox, at the generation of the step in ``step``, an int64 word)."""
+        mailbox, at the generation of the step in ``step``, an int64 word). FBGEMM's
+        backward sorts the whole index tensor: for it (``exact``), the tensor holds
+        exactly the batch's ids, the one size this rank then reads back; else it has
+        the slots' capacity, which FBGEMM's lookup reads only as far as the offsets
+        say unless it reads past the bags (then always exact), and the fused update
+        (``for_update``) never does."""
         layout, world, bags = self._layout, self._world, self._bags
-        # FBGEMM's backward sorts the whole index tensor: for it, the tensor must hold
-        # exactly the batch's ids, the one size this rank then reads back.
-        exact = self._exact_always or for_fbgemm_backward
+        exact = exact or (self._exact_always and not for_update)
         if exact:
             at = offsets.index_select(0, self._bags_dev).tolist()
         groups = []

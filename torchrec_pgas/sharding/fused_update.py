@@ -59,7 +59,16 @@ def _qualifies(tbe: Any, weighted: bool) -> bool:
         and tbe.pooling_mode in (PoolingMode.SUM, PoolingMode.MEAN)
         and not args.gradient_clipping
         and getattr(args, "max_norm", 0.0) == 0.0
-        and (tbe.optimizer == EmbOptimType.EXACT_SGD or int(args.weight_decay_mode) in _WEIGHT_DECAY_MODES)
+        # FBGEMM's hook that keeps only an id's first occurrence (this update sums them).
+        and not getattr(tbe, "use_writeback_bwd_prehook", False)
+        and (
+            tbe.optimizer == EmbOptimType.EXACT_SGD
+            or (
+                int(args.weight_decay_mode) in _WEIGHT_DECAY_MODES
+                and tbe.momentum1_dev.dtype == torch.float32
+                and tbe.momentum1_dev.numel() > 0
+            )
+        )
     )
 
 
@@ -105,12 +114,14 @@ class FusedUpdate:
         kjts: Sequence[KeyedJaggedTensor],
         grad: torch.Tensor,
         record: torch.Tensor,
+        err: torch.Tensor,
         bags_per_feature: int,
         num_sources: int,
     ) -> None:
         """Applies each group's update for one step: ``kjts`` are its lookup groups'
         ids (index tensors of fixed capacity), ``grad`` the gradient of the owner's
-        lookup output ``[bags_per_feature, dims]``, ``record`` the step's record."""
+        lookup output ``[bags_per_feature, dims]``, ``record`` the step's record and
+        ``err`` the transport's error record."""
         for group, kjt in zip(groups, kjts):
             tbe, indices, offsets = group.tbe, kjt.values(), kjt.offsets()
             keys = torch.empty_like(indices)
@@ -131,6 +142,7 @@ class FusedUpdate:
                 tbe.weights_dev,
                 tbe.momentum1_dev if adagrad else self._no_weights,
                 record,
+                err,
                 bags_per_feature,
                 num_sources,
                 group.max_dim,
@@ -152,6 +164,7 @@ class PendingUpdate:
     groups: List[GroupUpdate]
     kjts: List[KeyedJaggedTensor]
     record: torch.Tensor
+    err: torch.Tensor  # the transport's error record
     bags_per_feature: int
     num_sources: int
 
@@ -162,7 +175,7 @@ class PendingUpdate:
         return _UpdateInBackward.apply(anchor, stand_in, self)
 
     def apply(self, grad: torch.Tensor) -> None:
-        self.update.apply(self.groups, self.kjts, grad, self.record, self.bags_per_feature, self.num_sources)
+        self.update.apply(self.groups, self.kjts, grad, self.record, self.err, self.bags_per_feature, self.num_sources)
 
 
 class _UpdateInBackward(torch.autograd.Function):

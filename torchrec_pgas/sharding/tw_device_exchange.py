@@ -53,9 +53,10 @@ and releases, and ``close``); the lookup batch and the step's route are in
 constructor (``device_routing.py``).
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from triton.runtime.driver import driver
 
@@ -78,7 +79,7 @@ from torchrec_pgas.sharding.device_batch import (
     send_input,
 )
 from torchrec_pgas.sharding.device_routing import MAX_RUNS
-from torchrec_pgas.sharding.fused_update import PendingUpdate
+from torchrec_pgas.sharding.fused_update import GroupUpdate, PendingUpdate
 from torchrec_pgas.sharding.tw_device_setup import DeviceTwSetup
 from torchrec_pgas.transport import PgasError
 from torchrec_pgas.transport.device_buffers import GRAD_DEPTH
@@ -191,7 +192,7 @@ class DeviceTwExchange(DeviceTwSetup):
                 batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
                 route.check_now = False
                 return batch
-            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, training)
+            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, exact=training)
         # Everything is read (stream ordered): release the slots to their sources.
         buffers.release(ids_step)
         return batch
@@ -212,6 +213,12 @@ class DeviceTwExchange(DeviceTwSetup):
         ``batch.groups`` for TorchRec's lookup, releases the slots and returns None (as
         for a batch whose groups the receive filled)."""
         lookup, batch.from_slots = batch.from_slots, None
+        training = torch.is_grad_enabled()
+        updates = self._agreed_updates(emb_modules) if training else None
+        if training:
+            # Every rank alike (the plan's choice): a step whose backward is FBGEMM's
+            # is checked before it can apply a bad step; the fused update skips one.
+            batch.route.check_now = updates is None
         if lookup is None:
             return None
         buffers, layout, step = self._buffers, self._layout, lookup.step
@@ -224,20 +231,16 @@ class DeviceTwExchange(DeviceTwSetup):
         if driver.active.get_current_stream(self._dev.index) != lookup.stream:
             # A pipeline lays the batch out on its data-dist stream; the lookup runs on this one.
             lookup.offsets.record_stream(torch.cuda.current_stream(self._dev))
-        training = torch.is_grad_enabled()
         tables = self._fused.rows(emb_modules)
-        updates = self._update.groups(emb_modules) if training and tables is not None else None
         if tables is None or (training and updates is None):
-            batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, training)
-            # Before FBGEMM's backward can apply a bad step's gradients.
-            batch.route.check_now |= training
+            batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=training)
             buffers.release_held()
             return None
         update = None
         if updates is not None:
-            ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, False)
+            ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
             update = PendingUpdate(
-                self._update, updates, ids, batch.route.record, batch.bags_per_feature, self._t.world_size
+                self._update, updates, ids, batch.route.record, buffers.err, batch.bags_per_feature, self._t.world_size
             )
         self._out_step += 1
         lookup_put(
@@ -264,6 +267,21 @@ class DeviceTwExchange(DeviceTwSetup):
         if update is None:
             return self._no_rows
         return update.output(self._all_rows)
+
+    def _agreed_updates(self, emb_modules: Sequence[Any]) -> Optional[List[GroupUpdate]]:
+        """This rank's fused updates (``fused_update.py``; none for a rank without
+        tables), or None if the plan's training steps take FBGEMM's backward: on every
+        rank alike, decided at the first training step by every rank together (one
+        read-back), since a rank's tables may qualify where another's do not, and the
+        ranks must check a step at the same call."""
+        if self._update_agreed is None:
+            ok = self._update.enabled and self._fused.rows(emb_modules) is not None
+            ok = ok and self._update.groups(emb_modules) is not None
+            flag = torch.tensor([int(ok)], dtype=torch.int64, device=self._dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._t.group)
+            self._update_agreed = bool(flag.item())
+            self._update.enabled = self._update_agreed
+        return self._update.groups(emb_modules) if self._update_agreed else None
 
     # ----------------------------------------------------------------- output
 

@@ -69,6 +69,7 @@ class DeviceTwSetup(BaseTwExchange):
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
         self._update = FusedUpdate(fused_lookup and fused_update, weighted, self._dev)
+        self._update_agreed: Optional[bool] = None  # every rank's tables qualify (first training step)
         self._my_batches: Deque[int] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
         self._text: Optional[torch.Tensor] = None  # the message a failing send puts
