@@ -209,8 +209,8 @@ def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
     exchange._check = lambda route: None
     batch = 5
     record = torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64)
-    route = DeviceRoute(record=record, my_batch=batch, step=1)
-    exchange._my_batches.append(batch)
+    route = DeviceRoute(record=record, my_batch=batch, out_rows=batch, step=1)
+    exchange._my_batches.append((batch, batch))
     exchange.exchange_pooled(torch.zeros(world_size * rows, dims[me]), route)
     grad = torch.ones(batch, sum(dims))
     exchange.exchange_grads(grad, route, torch.Size([world_size * rows, dims[me]]), divide=True)

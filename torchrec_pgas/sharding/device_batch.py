@@ -29,7 +29,8 @@ class DeviceRoute:
     # error record once the step's output has arrived, then the ids step (which the
     # step's kernels read: ``kernels/step_clock.py``).
     record: torch.Tensor
-    my_batch: int  # this rank's batch size as its header reports it
+    my_batch: int  # this rank's batch size as its header reports it (owners store that many rows)
+    out_rows: int  # the rows of this rank's output (a bad batch's own size: ``_output_rows``)
     # The rows were put by ``lookup_put``, pooled straight from the ids slots of this
     # step, which go back to their sources with the output's slot (0: not so).
     ids_step: int = 0

@@ -150,7 +150,9 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.depth,
             self._t.timeout_ns,
         )
-        self._my_batches.append(_output_rows(kjt, x.batch, x.problem is not None, layout.batch_capacity))
+        reported = x.batch if x.batch <= layout.batch_capacity else 0
+        rows = _output_rows(kjt, reported, x.problem is not None, layout.batch_capacity)
+        self._my_batches.append((reported, rows))
         return step
 
     # ---------------------------------------------------------------- receive
@@ -181,8 +183,8 @@ class DeviceTwExchange(DeviceTwSetup):
             self._t.timeout_ns,
         )
         training = torch.is_grad_enabled()
-        my_batch = self._my_batches.popleft()
-        route = DeviceRoute(record=record, my_batch=my_batch, step=step, divisor=divisor, check_now=training)
+        my_batch, rows = self._my_batches.popleft()
+        route = DeviceRoute(record, my_batch, rows, step=step, divisor=divisor, check_now=training)
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
             if self._fused.enabled and (not training or self._update.enabled):
@@ -311,7 +313,7 @@ class DeviceTwExchange(DeviceTwSetup):
         release_ids = buffers.hand_over(route.ids_step)  # False if released since
         self._keep(self._errors.make_room(self._out_step))
         # A copy: the slot is reused two steps on, the output may live longer.
-        pooled = torch.empty(route.my_batch, out.dim, dtype=self._out_dtype, device=self._dev)
+        pooled = torch.empty(route.out_rows, out.dim, dtype=self._out_dtype, device=self._dev)
         output_take(
             buffers.out_slots,
             pooled,
@@ -381,10 +383,11 @@ class DeviceTwExchange(DeviceTwSetup):
 
 
 def _output_rows(kjt: KeyedJaggedTensor, batch: int, bad: bool, capacity: int) -> int:
-    """The rows of this rank's output of a step it sent ``batch`` samples for: a bad
-    batch is sent with size 0 (its data is not read) but still gets a (NaN) output of
-    its own size where that is known, so that a module joins it with the outputs of its
-    other shardings, whose sends of the same batch may have gone through."""
+    """The rows of this rank's output of a step whose header reported ``batch``
+    samples: a bad batch is reported with size 0 (its data is not read, owners store
+    no rows for it) but still gets a (NaN) output of its own size where that is known,
+    so that a module joins it with the outputs of its other shardings, whose sends of
+    the same batch may have gone through."""
     if bad:
         try:
             batch = int(kjt.stride())

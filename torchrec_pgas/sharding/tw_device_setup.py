@@ -70,7 +70,8 @@ class DeviceTwSetup(BaseTwExchange):
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
         self._update = FusedUpdate(fused_lookup and fused_update, weighted, self._dev)
         self._update_agreed: Optional[bool] = None  # every rank's tables qualify (first training step)
-        self._my_batches: Deque[int] = collections.deque()
+        # Per step sent: the batch size its header reported, and the rows of its output.
+        self._my_batches: Deque[Tuple[int, int]] = collections.deque()
         self._buffers: Optional[DeviceBuffers] = None
         self._text: Optional[torch.Tensor] = None  # the message a failing send puts
         # A step's record (``DeviceRoute.record``): every source's header, then the
