@@ -279,3 +279,82 @@ def _options_reach_the_transport(rank, world_size):
 
 def test_get_transport_honours_remote_path():
     run_ranks(_options_reach_the_transport, 2)
+
+
+# The GPU exchange's host bookkeeping of training and bad batches, on the stand-in.
+
+
+def _update_choice(rank, world_size, qualifies):
+    """Each rank's tables qualify for the fused update or not (``qualifies[rank]``):
+    every rank takes the same path, decided once at the first training lookup, and
+    checks the step at the same call (the forward, on FBGEMM's path)."""
+    from torchrec_pgas.sharding.device_batch import DeviceRoute, LookupBatch
+
+    _fake_nvshmem(rank, unmapped=[])
+    exchange = _exchange(_transport("auto"), world_size, [8] * world_size)
+    exchange._update.enabled = True  # a plan of fused tables that may take the fused update
+    asked = []
+
+    def groups(emb_modules):
+        asked.append(1)
+        return [] if qualifies[rank] else None
+
+    exchange._update.groups = groups
+    exchange._fused.rows = lambda emb_modules: torch.empty(0, 4, dtype=torch.int64)
+
+    def lookup(grad: bool) -> DeviceRoute:
+        route = DeviceRoute(torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64), 5, 5, check_now=grad)
+        with torch.set_grad_enabled(grad):
+            # No batch to pool on this rank (``from_slots`` unset): only the choice.
+            assert exchange.lookup_put(LookupBatch(groups=[], route=route, bags_per_feature=5), []) is None
+        return route
+
+    assert lookup(grad=False).check_now is False and exchange._update_agreed is None  # inference decides nothing
+    agreed = all(qualifies)
+    for _ in range(3):
+        assert lookup(grad=True).check_now is (not agreed)
+    assert exchange._update_agreed is agreed and exchange._update.enabled is agreed
+    exchange.close()
+
+
+@pytest.mark.parametrize("qualifies", [(True, True), (True, False), (False, True)])
+def test_every_rank_takes_the_fused_update_or_none_does(qualifies):
+    run_ranks(_update_choice, 2, qualifies=qualifies)
+
+
+def _bad_batch_rows(rank, world_size):
+    """A bad batch reports no samples (owners store no rows for it): the requester's
+    output take expects none, and its (NaN) output still has the batch's size."""
+    from torchrec_pgas.kernels.rows_put import programs_per_requester
+    from torchrec_pgas.sharding import tw_device_exchange
+    from torchrec_pgas.sharding.device_batch import DeviceRoute
+
+    _fake_nvshmem(rank, unmapped=[])
+    dims = [8] * world_size
+    exchange = _exchange(_transport("auto"), world_size, dims)
+    taken = []
+    tw_device_exchange.output_take = lambda *args, **kwargs: taken.append(args)
+    tw_device_exchange.rows_put = lambda *args, **kwargs: None
+    for reported, rows in ((0, 3), (4, 4)):
+        route = DeviceRoute(torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64), reported, rows, step=1)
+        out = exchange.exchange_pooled(torch.zeros(world_size * exchange._buffers.sizes.rows, dims[rank]), route)
+        assert out.shape == (rows, sum(dims))
+        assert taken[-1][1] is out and taken[-1][11] == programs_per_requester(reported)
+    exchange.close()
+
+
+def test_a_bad_batch_output_has_its_size_and_expects_no_rows():
+    run_ranks(_bad_batch_rows, 2)
+
+
+def test_output_rows_of_a_bad_batch_are_its_own_size_within_capacity():
+    from torchrec import KeyedJaggedTensor
+
+    from torchrec_pgas.sharding.tw_device_exchange import _output_rows
+
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(6), lengths=torch.ones(6, dtype=torch.int64))
+    assert _output_rows(kjt, 3, bad=False, capacity=128) == 3
+    assert _output_rows(kjt, 0, bad=True, capacity=128) == 3  # the header says 0: its output has 3 rows
+    assert _output_rows(kjt, 0, bad=True, capacity=2) == 0  # over capacity: nothing to write
+    broken = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
+    assert _output_rows(broken, 0, bad=True, capacity=128) in (0, 1)  # a size, never an error
