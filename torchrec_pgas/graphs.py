@@ -339,7 +339,9 @@ def capture(
     gradients into the graph's memory, ``False`` zeros them in place; gradients left
     from the warm-up and not cleared would be added to at every replay.
     Dense layers under ``DistributedDataParallel`` (DMP's default): torch's recipe asks
-    for ``warmup=11``.
+    for ``warmup=11``, DDP built on a side stream (``DistributedModelParallel(...,
+    init_data_parallel=False)``, then ``init_data_parallel()`` under
+    ``torch.cuda.stream(s)``) and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``.
 
     A capture that fails leaves the model's exchanges in an unknown state (their host
     side prepared a step that never ran): rebuild the model.

@@ -6,7 +6,8 @@ torchrec_pgas.
 """
 
 import argparse
-from typing import Dict, List
+import contextlib
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,9 +59,16 @@ def constraints_for(sharding: str, args: argparse.Namespace) -> Dict[str, Parame
     return {f"t_{f}": ParameterConstraints(sharding_types=[sharding]) for f in feature_names(args)}
 
 
-def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> DistributedModelParallel:
+def shard(
+    args: argparse.Namespace,
+    sharding: str,
+    device: torch.device,
+    ddp_stream: Optional[torch.cuda.Stream] = None,
+) -> DistributedModelParallel:
     """The DLRM sharded with ``sharding``, embedding tables trained by a fused
-    row-wise Adagrad (applied in backward, as TorchRec recommends)."""
+    row-wise Adagrad (applied in backward, as TorchRec recommends). The dense layers'
+    ``DistributedDataParallel`` is built on ``ddp_stream`` if given: torch's recipe for
+    capturing DDP in a CUDA graph builds it on a side stream."""
     if sharding == "row_wise" and device.type != "cuda":
         # TorchRec's sharder offers row_wise for GPUs only; its planner would fail later
         # with a message about the constraint.
@@ -75,7 +83,9 @@ def shard(args: argparse.Namespace, sharding: str, device: torch.device) -> Dist
         constraints=constraints_for(sharding, args),
     )
     plan = planner.collective_plan(model, pg=dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=device, plan=plan)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, init_data_parallel=False)
+    with torch.cuda.stream(ddp_stream) if ddp_stream is not None else contextlib.nullcontext():
+        dmp.init_data_parallel()
     # DMP moves the modules that have parameters; the DLRM's interaction indices (a
     # buffer) would stay on the CPU, copied to the GPU at every step (which a CUDA
     # graph cannot capture).

@@ -16,6 +16,7 @@ optimizer's step) replayed from a CUDA graph instead of the pipeline.
 
 import argparse
 import itertools
+import os
 import time
 from typing import Callable
 
@@ -84,6 +85,10 @@ def graphed_step(
 
 def main() -> None:
     args = parse()
+    if args.cuda_graph:
+        # torch's recipe for DDP in a CUDA graph: no asynchronous NCCL error handling
+        # (read when the process group starts).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     device = start_rank()
     if args.cuda_graph and device.type != "cuda":
         raise SystemExit(f"--cuda-graph needs GPU ranks (CUDA graphs); this run's are {device.type}")
@@ -95,7 +100,7 @@ def main() -> None:
             "to the host): use --sharding pgas_table_wise or pgas_row_wise"
         )
     rank = dist.get_rank()
-    model = shard(args, args.sharding, device)
+    model = shard(args, args.sharding, device, ddp_stream=torch.cuda.Stream() if args.cuda_graph else None)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=args.lr),
