@@ -36,9 +36,10 @@ class DeviceRoute:
     ids_step: int = 0
     step: int = 0  # the ids step the route is of
     divisor: Optional[torch.Tensor] = None  # row-wise mean pooling: [batch, dims]
-    # The step is checked before its output is returned (under autograd, whose backward
-    # must not apply a bad step; read at the receive: autograd's forward runs without
-    # grad mode); else later, from the step records (``step_records.py``).
+    # The step is checked before its output is returned (training with FBGEMM's
+    # backward, which must not apply a bad step: set by the receive and the lookup, in
+    # grad mode, since autograd runs the output exchange without it); else later, from
+    # the step records (``step_records.py``).
     check_now: bool = False
 
 
