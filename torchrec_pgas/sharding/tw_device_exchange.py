@@ -13,30 +13,30 @@ kernels, so the host only enqueues a handful of launches per step:
 * ``recv_ids``: one launch (``bag_offsets``) waits for every source's slot, keeps the
   step's headers and lays the lookup batch out with a fixed number of bags: bag
   ``(f, s, b)`` for every source ``s`` and ``b < batch_capacity``, bags past a
-  source's batch size empty; ``gather_ids`` copies the ids into place. Under autograd
-  the index tensor must hold exactly the batch's ids (FBGEMM's backward sorts all of
-  it), which costs one read-back; without autograd it has the slots' capacity and
-  FBGEMM reads only what the offsets cover (its bounds check is off: sources have
-  checked every id).
-* ``lookup_put`` (inference with FBGEMM ``FUSED`` tables): the receive leaves the
-  groups empty and keeps the slots held; the lookup (``LookupBatch.lookup_put``)
-  pools every requester's bags straight from them and stores the rows into the
-  requesters' output slots, as ``rows_put`` would.
+  source's batch size empty; ``gather_ids`` copies the ids into place. For FBGEMM's
+  backward the index tensor must hold exactly the batch's ids (it sorts all of it),
+  which costs one read-back; otherwise it has the slots' capacity and FBGEMM reads only
+  what the offsets cover (its bounds check is off: sources have checked every id).
+* ``lookup_put`` (FBGEMM ``FUSED`` tables): the receive leaves the groups empty and
+  keeps the slots held; the lookup pools every requester's bags straight from them and
+  stores the rows into the requesters' output slots, as ``rows_put`` would. In
+  training it also keeps the step's ids for the fused update of the backward
+  (``fused_update.py``), which every rank takes or none does (``_agreed_updates``).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
   requester's ``output_take`` waits for its count, copies its output out of the slot
   (NaN for a bad step), releases the slot (and the ids slots ``lookup_put`` pooled
   from) and copies the step's record into the ring in pinned host memory
-  (``step_records.py``): nothing is read back in an inference step, and what a step
-  reports is raised before a later step's first send (``raise_errors``). Under
-  autograd the step is checked before its output is returned (one read-back).
+  (``step_records.py``): nothing is read back, and what a step reports is raised
+  before a later step's first send (``raise_errors``). With FBGEMM's backward the step
+  is checked before its output is returned (one read-back).
 * ``exchange_grads``: ``grads_put`` stores each owner's columns of the output gradient
   (divided as TorchRec divides them) straight into the owner's per-source slot; the
-  owner's slots of a step are the gradient, in lookup order, that FBGEMM's backward
-  takes without a copy, whose fused optimizer applies the update exactly as under
-  ``table_wise``. The slots have one generation (FBGEMM reads them in place, at one
-  address, which a CUDA graph needs): the owner releases them at its next backward,
-  before that step's puts.
+  owner's slots of a step are the gradient, in lookup order, that the fused update (or
+  FBGEMM's backward, whose fused optimizer then updates exactly as under
+  ``table_wise``) reads without a copy. The slots have one generation (read in place,
+  at one address, which a CUDA graph needs): the owner releases them at its next
+  backward, before that step's puts.
 
 Peers without a peer mapping (other nodes; every peer with
 ``PgasOptions(remote_path="put")``) are served by the same launches compiled with
