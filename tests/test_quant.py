@@ -38,11 +38,11 @@ class _Model(nn.Module):
         return self.ebc(kjt)
 
 
-def _quantized(tables, dtype, weighted, seed):
+def _quantized(tables, dtype, weighted, seed, output_dtype=torch.float32):
     """The same quantized module on every rank (same seed, same quantization)."""
     torch.manual_seed(seed)
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
-    return quantize_embeddings(_Model(ebc), dtype=DTYPES[dtype], inplace=True).ebc
+    return quantize_embeddings(_Model(ebc), dtype=DTYPES[dtype], inplace=True, output_dtype=output_dtype).ebc
 
 
 def _check_served(rank, world_size, dtype, owners, weighted, seed):
@@ -208,12 +208,16 @@ def test_bad_constraints_raise_on_every_rank(world_size):
     run_ranks(_check_bad_constraints, world_size, seed=23)
 
 
-def _check_row_wise(rank, world_size, dtype, pooling, weighted, seed):
+def _check_row_wise(rank, world_size, dtype, pooling, weighted, seed, output_dtype=torch.float32):
     tables = make_tables(3, seed, pooling)
     tables[1].num_embeddings = 37  # an uneven last row block: 19 and 18 rows
-    ref = _quantized(tables, dtype, weighted, seed)
+    ref = _quantized(tables, dtype, weighted, seed, output_dtype)
     owners = {"t0": "pgas_row_wise", "t1": "pgas_row_wise", "t2": 1}
-    model = shard_quant_model(_Model(_quantized(tables, dtype, weighted, seed)), dist.group.WORLD, owners=owners)
+    model = shard_quant_model(
+        _Model(_quantized(tables, dtype, weighted, seed, output_dtype)), dist.group.WORLD, owners=owners
+    )
+    # fp16 output: the partial sums are rounded to fp16 before they are added.
+    rtol, atol = (RW_RTOL, RW_ATOL) if output_dtype == torch.float32 else (2e-3, 2e-3)
     assert model.ebc.local_row_wise.embedding_bag_configs()[1].num_embeddings == (19, 18)[rank]
     worst = 0.0
     for step in range(4):
@@ -224,7 +228,7 @@ def _check_row_wise(rank, world_size, dtype, pooling, weighted, seed):
         assert out.keys() == expected.keys() and out.values().dtype == expected.values().dtype
         assert out.values().shape == expected.values().shape
         # Partial sums added at the requester: FBGEMM's single pass up to fp32 rounding.
-        torch.testing.assert_close(out.values(), expected.values(), rtol=RW_RTOL, atol=RW_ATOL)
+        torch.testing.assert_close(out.values(), expected.values(), rtol=rtol, atol=atol)
         # The table-wise table (t2, the last columns) stays bit for bit.
         width = tables[2].embedding_dim
         assert torch.equal(out.values()[:, -width:], expected.values()[:, -width:])
@@ -239,11 +243,57 @@ RW_RTOL, RW_ATOL = 1e-5, 1e-6
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])
-@pytest.mark.parametrize("pooling,weighted", [("SUM", False), ("MEAN", False), ("SUM", True)])
+@pytest.mark.parametrize("pooling,weighted", [("SUM", False), ("MEAN", False), ("SUM", True), ("MEAN", True)])
 def test_row_wise_beside_table_wise(dtype, pooling, weighted):
     """Two tables pgas_row_wise (one of rows uneven over 2 ranks), one pgas_table_wise,
-    in one module: output within fp32 rounding of the unsharded quantized module."""
+    in one module: output within fp32 rounding of the unsharded quantized module
+    (weighted mean bags divided by their number of ids, as FBGEMM's int-N kernel)."""
     run_ranks(_check_row_wise, 2, dtype=dtype, pooling=PoolingType[pooling], weighted=weighted, seed=31 + len(dtype))
+
+
+def test_row_wise_mean_keeps_an_fp16_output():
+    """A row-wise mean table's output stays in the module's output dtype (an fp32
+    divisor would promote it, and the whole output with it)."""
+    run_ranks(
+        _check_row_wise, 2, dtype="int8", pooling=PoolingType.MEAN, weighted=False, seed=41, output_dtype=torch.half
+    )
+
+
+def _check_bad_first_batch(rank, world_size, seed):
+    """A first batch that fails TorchRec's validation on one rank raises on every rank
+    before anything is sent; the next batch decides the path and is served right."""
+    tables = make_tables(3, seed)
+    ref = _quantized(tables, "int8", False, seed)
+    model = shard_quant_model(
+        _Model(_quantized(tables, "int8", False, seed)), dist.group.WORLD, owners={"t0": 0, "t1": 1, "t2": 1}
+    )
+    model.ebc._direct = None  # decided at the first batch, as on GPUs
+    kjt = random_kjt(tables, 3, seed + rank)
+    if rank == 1:  # an id count per bag that TorchRec's validation refuses (offsets not from 0)
+        kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), offsets=kjt.offsets() + 1)
+    with pytest.raises(PgasInputError, match="rank 1 sent an invalid KJT"):
+        model(kjt)
+    assert model.ebc._direct is None
+    kjt = random_kjt(tables, 2 + rank, seed + 10 + rank)
+    assert torch.equal(model(kjt).values(), ref(kjt).values())
+    assert model.ebc._direct is True
+
+
+def test_a_bad_first_batch_raises_everywhere_and_decides_nothing():
+    run_ranks(_check_bad_first_batch, 2, seed=53)
+
+
+def test_subclasses_of_the_quantized_module_are_refused():
+    """Feature-processed and managed-collision modules subclass the quantized EBC: the
+    PGAS module would drop what they add."""
+
+    class Processed(type(_quantized(make_tables(1, 3), "int8", False, 3))):
+        pass
+
+    ebc = _quantized(make_tables(1, 3), "int8", False, 3)
+    ebc.__class__ = Processed
+    with pytest.raises(ValueError, match=r"not its subclasses: ebc \(Processed\)"):
+        shard_quant_model(_Model(ebc), None, owners={"t0": 0})
 
 
 def _check_row_wise_bad_ids(rank, world_size, seed):

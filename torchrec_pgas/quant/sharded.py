@@ -31,7 +31,7 @@ found on the device and raised on every rank at the start of a later forward (or
 import copy
 import dataclasses
 from collections import defaultdict
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.sharding.base import PgasShardingMixin
-from torchrec_pgas.sharding.batch_checks import module_batch_problem, send_problem
+from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_problem, module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
 from torchrec_pgas.sharding.rw_exchange import RwExchange
-from torchrec_pgas.sharding.tw_base import TwFeature, feature_rows, with_float32_weights
+from torchrec_pgas.sharding.tw_base import PgasInputError, TwFeature, feature_rows, with_float32_weights
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasOptions
@@ -312,6 +312,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 local_rows=[[rows[f.table][r] for f in features] for r in range(world_size)],
                 dims=[t.embedding_dim for t in row_wise for _ in t.feature_names],
                 mean=[t.pooling == PoolingType.MEAN for t in row_wise for _ in t.feature_names],
+                # FBGEMM's int-N kernels divide a weighted bag by its number of ids.
+                mean_by_count=True,
                 out_dtype=self._out_dtype,
                 headroom=options.headroom,
                 name=PGAS_ROW_WISE,
@@ -337,6 +339,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._embedding_shardings = [_ServedExchange(exchange) for exchange, _, _ in self._parts]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
         self._feature_rows = feature_rows(configs)
+        self._configs = list(configs)
         self._batch_keys: Optional[List[str]] = None
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
         # GPUs: whether batches go to every exchange whole (decided on the first).
@@ -384,12 +387,23 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         picking and checking its features on the device (no permute, which reads the
         lengths back to the host): if every rank's batch has the module's features, in
         the same order, and every exchange can route that order. Else every batch
-        takes the host's checks and permutes (as on CPU ranks), which synchronize."""
+        takes the host's checks and permutes (as on CPU ranks), which synchronize.
+        A first batch that fails TorchRec's validation on some rank raises on every
+        rank, sending nothing (the next batch decides again): it would also size the
+        buffers for good."""
         eligible = isinstance(features, KeyedJaggedTensor) and not features.variable_stride_per_key()
         keys = list(features.keys()) if eligible else None
-        everyone: List[Optional[List[str]]] = [None] * dist.get_world_size(self._pg)
-        dist.all_gather_object(everyone, keys, group=self._pg)
-        if keys is None or any(k != keys for k in everyone) or set(keys) != set(self._needed):
+        invalid = None
+        if keys is not None and len(set(keys)) != len(keys):
+            invalid = f"features {keys} name a feature twice"
+        elif eligible and input_problem(features) is None:
+            invalid = first_batch_problem(features, self._configs)
+        everyone: List[Any] = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(everyone, (keys, invalid), group=self._pg)
+        errors = [f"rank {r} sent an invalid KJT: {e}" for r, (_, e) in enumerate(everyone) if e]
+        if errors:
+            raise PgasInputError("; ".join(errors))
+        if keys is None or any(k != keys for k, _ in everyone) or set(keys) != set(self._needed):
             return False
         if not all(x.takes_input_order(keys) for x in self._exchanges):
             return False
@@ -444,6 +458,9 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         # in the middle of a step (nothing on the host exchanges, which raise in the
         # step that had it).
         raise_errors(self._exchanges)
+        if isinstance(features, KeyedJaggedTensor) and features.device() != self._device:
+            # The unsharded module takes a batch on any device (FBGEMM moves it).
+            features = features.to(self._device, non_blocking=True)
         steps = self._send(features)
         # Every exchange takes its step, even after another's raised, so that all
         # stay in step for the next batch.
@@ -459,7 +476,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         outs = []
         for (_, _, local_name), output_dist, batch in zip(self._parts, self._output_dists, batches):
             embs = self._pool(getattr(self, local_name), batch)
-            outs.append(output_dist.pooled(PooledLookup(embs, batch.route)))
+            # (A row-wise mean's fp32 divisor would promote fp16 or bf16 rows.)
+            outs.append(output_dist.pooled(PooledLookup(embs, batch.route)).to(self._out_dtype))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self._columns is not None:
             out = out.index_select(1, self._columns)
@@ -553,7 +571,14 @@ def _check_row_wise_sharding(table: EmbeddingBagConfig, p: ParameterSharding, wo
 def _quant_modules(model: nn.Module) -> List[Tuple[str, QuantEmbeddingBagCollection]]:
     if isinstance(model, QuantEmbeddingBagCollection):
         raise ValueError("shard_quant_model shards submodules: wrap the QuantEmbeddingBagCollection in a module")
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    others = [f"{n} ({type(m).__name__})" for n, m in found if type(m) is not QuantEmbeddingBagCollection]
+    if others:
+        # Their feature processors or id remapping would be dropped by the PGAS module.
+        raise ValueError(
+            f"shard_quant_model serves QuantEmbeddingBagCollection only, not its subclasses: {', '.join(others)}"
+        )
+    return found
 
 
 def _check_constraints(

@@ -23,10 +23,13 @@ class MeanAfterSum:
         dims: each feature's embedding dim, in the sharding's order.
         mean: whether each feature's table pools by mean.
         device: where the divisors are built.
+        by_count: weighted bags divide by their number of ids too, as FBGEMM's int-N
+            kernels (quantized tables) do, rather than by their weights' sum.
     """
 
-    def __init__(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device) -> None:
+    def __init__(self, dims: Sequence[int], mean: Sequence[bool], device: torch.device, by_count: bool = False) -> None:
         self._any_mean = any(mean)
+        self._by_count = by_count
         self._dev = device
         # [F, 1]: which of the sharding's features keep their bags' lengths.
         self._mean = torch.tensor(list(mean), dtype=torch.bool, device=device).view(-1, 1)
@@ -52,7 +55,7 @@ class MeanAfterSum:
         if batch == 0:
             return None
         weights = kjt.weights_or_none()
-        if weights is not None and weights.is_floating_point():
+        if weights is not None and weights.is_floating_point() and not self._by_count:
             # Offsets past the weights (lengths that disagree with them) read none.
             offsets = kjt.offsets().clamp(0, weights.numel()).int()
             lengths = torch.ops.fbgemm.segment_sum_csr(1, offsets, weights.to(torch.float32))

@@ -44,6 +44,7 @@ class DeviceRwExchange(DeviceTwExchange):
         local_rows: Sequence[Sequence[int]],
         dims: Sequence[int],
         mean: Sequence[bool],
+        mean_by_count: bool = False,
         **kwargs: Any,
     ) -> None:
         world, width = transport.world_size, sum(dims)
@@ -59,7 +60,7 @@ class DeviceRwExchange(DeviceTwExchange):
             dim_sum_per_rank=[width] * world,
             input_features=features,
             out_dim=width,  # every owner covers every column
-            mean=MeanAfterSum(dims, mean, transport.device),
+            mean=MeanAfterSum(dims, mean, transport.device, by_count=mean_by_count),
             routing=routing,
             output=OutputBlocks(blocks=world, my_block=transport.rank, dim=width, col_offsets=(0,) * world),
             **kwargs,

@@ -54,6 +54,7 @@ class RwExchange(TwExchange):
         out_dtype: torch.dtype,
         headroom: float,
         name: str,
+        mean_by_count: bool = False,
     ) -> None:
         world, width = transport.world_size, sum(dims)
         block_sizes = torch.tensor([(f.num_embeddings + world - 1) // world for f in features], dtype=torch.int64)
@@ -70,5 +71,5 @@ class RwExchange(TwExchange):
             name=name,
             input_features=features,
             out_dim=width,  # every owner covers every column
-            mean=MeanAfterSum(dims, mean, torch.device("cpu")),
+            mean=MeanAfterSum(dims, mean, torch.device("cpu"), by_count=mean_by_count),
         )
