@@ -282,6 +282,9 @@ def run(
     from torchrec_pgas.quant import shard_quant_model
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    # While rank 0 alone drives every GPU (TorchRec's path), the others wait on the host:
+    # an NCCL barrier would hold a kernel on each of their GPUs meanwhile.
+    host_pg = dist.new_group(backend="gloo")
     base = base_config(args, world)
     ebc = float_tables(base, device)
     owners = {f"t{i}": s.rank for i, s in enumerate(table_specs(base))}
@@ -341,7 +344,7 @@ def run(
                     checks.append(f"batch {b}: pgas eager vs torchrec quant, max abs difference {diff:.3g}")
                 times["torchrec quant"] = latencies(step_of(tr_model, tr_kjts), args.iters, args.warmup, device, None)
         progress.update()
-        dist.barrier(group=pg)
+        dist.barrier(group=host_pg)
 
         if float_model is not None:
             forward, _ = workload.step_fns(float_model)
@@ -363,7 +366,7 @@ def run(
         if tr_model is not None:
             notes["torchrec quant graphed"] = tr_graph_note
         progress.update()
-        dist.barrier(group=pg)
+        dist.barrier(group=host_pg)
         rows += [summary(path, b, samples, times.get(path), notes.get(path, "")) for path in PATHS]
     progress.close()
     return with_ratios(rows), checks
