@@ -474,3 +474,16 @@ def _check_whole_batches(rank, world_size, seed):
 
 def test_whole_batch_sends_on_host_exchanges():
     run_ranks(_check_whole_batches, 2, seed=67)
+
+
+def _check_pruned(rank, world_size):
+    ebc = _quantized(make_tables(2, 3), "int8", False, 3)
+    ebc.embedding_bag_configs()[1].num_embeddings_post_pruning = 5  # as a pruned table's config says
+    with pytest.raises(ValueError, match=r"pruned tables .* \['t1'\]"):
+        shard_quant_model(_Model(ebc), dist.group.WORLD, owners={"t0": 0, "t1": 1})
+
+
+def test_pruned_tables_are_refused():
+    """A table pruned by TorchRec's quantization remaps its ids in FBGEMM, which the
+    PGAS owners do not apply: refused on every rank, naming it."""
+    run_ranks(_check_pruned, 2)

@@ -121,6 +121,11 @@ def _check_plan(
             f"{PGAS_ROW_WISE}: tables {empty} leave a rank without rows (ceil(rows / {world_size}) per rank); "
             "place them on one rank instead"
         )
+    pruned = [t.name for t in configs if t.num_embeddings_post_pruning is not None]
+    if pruned:
+        # Their ids go through FBGEMM's remapping, which the owners' checks and
+        # lookups here do not apply.
+        raise ValueError(f"{PGAS_TABLE_WISE}: pruned tables (num_embeddings_post_pruning) are not served: {pruned}")
     if module.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"{PGAS_TABLE_WISE}: quantized tables are served on CPU or CUDA ranks, not {module.device}"
