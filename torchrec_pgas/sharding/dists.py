@@ -143,11 +143,8 @@ class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, Pooled
             # output require grad everywhere.
             anchor = torch.empty(0, requires_grad=True)
             out = _ExchangePooled.apply(embs, anchor, self._exchange, route)
-        # Mean pooling of partial sums (row-wise) is only known once they are summed. An
-        # over-capacity batch's output has no rows (its step raises): nothing to divide.
-        if route.divisor is None or out.size(0) != route.divisor.size(0):
-            return out
-        return out / route.divisor
+        # Mean pooling of partial sums (row-wise) is only known once they are summed.
+        return out / route.divisor if route.divisor is not None else out
 
 
 class PgasGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):

@@ -184,6 +184,8 @@ class DeviceTwExchange(DeviceTwSetup):
         )
         training = torch.is_grad_enabled()
         my_batch, rows = self._my_batches.popleft()
+        if divisor is not None and divisor.size(0) != rows:
+            divisor = None  # an over-capacity batch: its output has no rows (its step raises)
         route = DeviceRoute(record, my_batch, rows, step=step, divisor=divisor, check_now=training)
         batch = LookupBatch(groups=[], route=route, bags_per_feature=world * cap)
         if features:
@@ -378,7 +380,7 @@ class DeviceTwExchange(DeviceTwSetup):
         if not owner:
             return grad_out.new_zeros(local_embs_shape)
         # A view of the slots, valid until the next backward releases them. Rows past a
-        # source's batch belong to empty bags: FBGEMM's backward never reads them.
+        # source's batch belong to empty bags, which no backward reads.
         return buffers.grad_view
 
 
