@@ -241,15 +241,7 @@ def _bad_batches(rank, world_size, grad):
     dist.barrier()
 
 
-_DEFERRED_AT_2 = pytest.mark.xfail(
-    reason="seen on one H200 at f7f7464 and c4c63db: at world size 2 a host-detected bad batch with errors "
-    "deferred ended in a peer's timeout; the causes found since (a rank without tables checked training steps "
-    "in its forward; a bad batch's output expected rows its owners never store) are fixed but not yet run on a GPU",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize("grad", [False, True])
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=_DEFERRED_AT_2)])
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_shared_gpu_bad_batch_raises_everywhere_and_next_is_right(world_size, grad):
     run_ranks(_bad_batches, world_size, grad=grad, deadline_s=DEADLINE_S)
