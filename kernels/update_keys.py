@@ -1,23 +1,34 @@
 """Keys one lookup group's ids by the table row they read: the first step of the fused
-sparse update (``row_update``), which sorts them so that every row's occurrences are
-adjacent.
+sparse update (a stable sort of the keys, then ``row_update`` and ``run_update``), which
+sorts them so that every row's occurrences are adjacent, in batch order.
 
 The index tensor has a fixed capacity (a captured step cannot size it by the batch):
-positions past the last bag's end hold no id and get ``SENTINEL``, which sorts last.
+positions past the last bag's end hold no id and get the sentinel, which sorts last.
 Program ``p`` keys positions ``p * BLOCK ...``: each finds its bag by a binary search
-of ``offsets`` (the last bag whose start is at or before it, so empty bags are skipped),
-the bag's feature, and keys it by the element offset of its row in the group's weights
-(``table offset + id * dim``: distinct for distinct rows, also of features that share a
-table).
+of ``offsets`` (the last bag whose start is at or before it, so empty bags are skipped)
+and the bag's feature, and writes, per position:
+
+* its key, the row in the group's rows (FBGEMM's ``hash_size_cumsum`` of the feature's
+  table plus the id: distinct for distinct rows, equal for features sharing a table);
+  int32 where the group has fewer rows than the int32 sentinel, so that the sort has
+  half the bits to pass over;
+* where its gradient row starts in the lookup output's gradient (bag row times the
+  gradient's pitch plus the feature's column), so that the update reads it with one
+  load;
+* with ``SCALED``, its gradient's scale: its per-sample weight (``WEIGHTED``), over its
+  bag's length for mean pooling, else 1.
 
 Buffers:
     offsets:   int64 [bags + 1]  the group's bag offsets, feature-major, ``bags_per_feature``
                bags per feature
     indices:   int64 [N]  the group's ids (only ``[0, offsets[bags])`` are read)
-    features:  int64 [F, FEATURE_WORDS]  per feature of the group (``row_update``'s table):
-               the element offset of its table in the weights, its dim, ...
-    keys:      int64 [N]  out: each position's row key, or ``SENTINEL``
-    bag_of:    int64 [N]  out: each position's bag (undefined past the ids)
+    weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
+    features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
+               in the group's rows, its column in the gradient, mean pooling (0/1)
+    keys:      int32 or int64 [N]  out: each position's row key, or the sentinel
+    src:       int64 [N]  out: each position's gradient row (element offset; undefined
+               past the ids)
+    scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
 """
 
 import torch
@@ -28,27 +39,40 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv
 
 BLOCK = 1024
 NUM_WARPS = 4
-#: The key of a position past the batch's ids (sorts after every row).
-SENTINEL = torch.iinfo(torch.int64).max
-#: ``features`` columns: table offset (elements), dim, column in the gradient, mean
-#: pooling (0/1), table offset in the optimizer state (rows).
-FEATURE_WORDS = 5
-TABLE, DIM, COL, MEAN, STATE = range(FEATURE_WORDS)
+#: ``features`` columns: the feature's table's first row in the group, its column in
+#: the gradient, mean pooling (0/1).
+FEATURE_WORDS = 3
+ROW, COL, MEAN = range(FEATURE_WORDS)
 
 
-@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "search_steps"])
+def sentinel(dtype: torch.dtype) -> int:
+    """The key of a position past the batch's ids (sorts after every row)."""
+    return torch.iinfo(dtype).max
+
+
+def key_dtype(total_rows: int) -> torch.dtype:
+    """The narrowest key dtype whose sentinel lies past every row of the group."""
+    return torch.int32 if total_rows < sentinel(torch.int32) else torch.int64
+
+
+@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "search_steps"])
 def update_keys_kernel(
     offsets_ptr,
     indices_ptr,
+    weights_ptr,
     features_ptr,
     keys_ptr,
-    bag_of_ptr,
+    src_ptr,
+    scale_ptr,
     n: tl.int64,
     bags: tl.int64,
     bags_per_feature: tl.int64,
+    pitch: tl.int64,
     search_steps: tl.int64,
     SENTINEL: tl.constexpr,
     FEATURE_WORDS: tl.constexpr,
+    SCALED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -64,12 +88,21 @@ def update_keys_kernel(
         lo = tl.where(up, mid, lo)
         hi = tl.where(up, hi, mid - 1)
     f = lo // bags_per_feature
-    table = tl.load(features_ptr + f * FEATURE_WORDS, mask=valid, other=0)
-    dim = tl.load(features_ptr + f * FEATURE_WORDS + 1, mask=valid, other=0)
+    first_row = tl.load(features_ptr + f * FEATURE_WORDS, mask=valid, other=0)
+    col = tl.load(features_ptr + f * FEATURE_WORDS + 1, mask=valid, other=0)
     ids = tl.load(indices_ptr + p, mask=valid, other=0)
-    keys = tl.where(valid, table + ids * dim, SENTINEL)
-    tl.store(keys_ptr + p, keys, mask=inside)
-    tl.store(bag_of_ptr + p, lo, mask=inside)
+    tl.store(keys_ptr + p, tl.where(valid, first_row + ids, SENTINEL), mask=inside)
+    tl.store(src_ptr + p, (lo - f * bags_per_feature) * pitch + col, mask=inside)
+    if SCALED:
+        scale = tl.full([BLOCK], 1.0, tl.float32)
+        if WEIGHTED:
+            scale = tl.load(weights_ptr + p, mask=valid, other=0.0)
+        mean = tl.load(features_ptr + f * FEATURE_WORDS + 2, mask=valid, other=0) != 0
+        length = tl.load(offsets_ptr + lo + 1, mask=valid & mean, other=1) - tl.load(
+            offsets_ptr + lo, mask=valid & mean, other=0
+        )
+        scale = tl.where(mean, scale * (1.0 / length.to(tl.float32)), scale)
+        tl.store(scale_ptr + p, scale, mask=inside)
 
 
 _launcher = Launcher(update_keys_kernel)
@@ -78,10 +111,15 @@ _launcher = Launcher(update_keys_kernel)
 def update_keys(
     offsets: torch.Tensor,
     indices: torch.Tensor,
+    weights: torch.Tensor,
     features: torch.Tensor,
     keys: torch.Tensor,
-    bag_of: torch.Tensor,
+    src: torch.Tensor,
+    scale: torch.Tensor,
     bags_per_feature: int,
+    pitch: int,
+    scaled: bool,
+    weighted: bool,
 ) -> None:
     """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring)."""
     n, bags = indices.numel(), offsets.numel() - 1
@@ -90,15 +128,20 @@ def update_keys(
     _launcher[(cdiv(n, BLOCK),)](
         offsets,
         indices,
+        weights,
         features,
         keys,
-        bag_of,
+        src,
+        scale,
         n,
         bags,
         bags_per_feature,
+        pitch,
         max(bags, 1).bit_length(),
-        SENTINEL=SENTINEL,
+        SENTINEL=sentinel(keys.dtype),
         FEATURE_WORDS=FEATURE_WORDS,
+        SCALED=scaled,
+        WEIGHTED=weighted,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

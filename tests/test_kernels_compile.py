@@ -31,10 +31,12 @@ from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
+from torchrec_pgas.kernels.row_step import TABLE_WORDS  # noqa: E402
 from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
+from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
-from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, SENTINEL, update_keys_kernel  # noqa: E402
+from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, update_keys_kernel  # noqa: E402
 
 
 def _bitcode() -> str:
@@ -312,40 +314,71 @@ CASES = {
         {
             "offsets_ptr": "*i64",
             "indices_ptr": "*i64",
+            "weights_ptr": "*fp32",
             "features_ptr": "*i64",
-            "keys_ptr": "*i64",
-            "bag_of_ptr": "*i64",
+            "keys_ptr": "*i32",
+            "src_ptr": "*i64",
+            "scale_ptr": "*fp32",
         },
-        [{"SENTINEL": SENTINEL, "FEATURE_WORDS": FEATURE_WORDS, "BLOCK": 1024}],
+        [
+            {"SENTINEL": 2**31 - 1, "FEATURE_WORDS": FEATURE_WORDS, "SCALED": scaled, "WEIGHTED": w, "BLOCK": 1024}
+            for scaled, w in ((False, False), (True, False), (True, True))
+        ],
     ),
     "row_update": (
         row_update_kernel,
         {
-            "keys_ptr": "*i64",
+            "keys_ptr": "*i32",
             "order_ptr": "*i64",
-            "bag_of_ptr": "*i64",
-            "offsets_ptr": "*i64",
-            "weights_ptr": "*fp32",
-            "features_ptr": "*i64",
+            "src_ptr": "*i64",
+            "scale_ptr": "*fp32",
+            "tables_ptr": "*i64",
             "grad_ptr": "*fp32",
             "table_ptr": "*fp32",
             "state_ptr": "*fp32",
+            "partial_ptr": "*fp32",
             "record_ptr": "*i64",
             "err_ptr": "*i64",
         },
         [
             {
                 "OPTIM": optim,
-                "WEIGHTED": weighted,
-                "SENTINEL": SENTINEL,
-                "FEATURE_WORDS": FEATURE_WORDS,
+                "SCALED": scaled,
+                "SENTINEL": 2**31 - 1,
+                "TABLE_WORDS": TABLE_WORDS,
                 "HEADER_WORDS": 8,
                 "OK": 0,
-                "PER_PROGRAM": 16,
+                "ROWS": rows,
+                "BLOCK_D": block_d,
+            }
+            for optim in (0, 1)
+            for scaled in (False, True)
+            for rows, block_d in ((32, 128), (16, 1024))
+        ],
+    ),
+    "run_update": (
+        run_update_kernel,
+        {
+            "keys_ptr": "*i64",
+            "tables_ptr": "*i64",
+            "table_ptr": "*fp32",
+            "state_ptr": "*fp32",
+            "partial_ptr": "*fp32",
+            "record_ptr": "*i64",
+            "err_ptr": "*i64",
+        },
+        [
+            {
+                "OPTIM": optim,
+                "SENTINEL": 2**63 - 1,
+                "TABLE_WORDS": TABLE_WORDS,
+                "HEADER_WORDS": 8,
+                "OK": 0,
+                "ROWS": 32,
+                "CHUNK": 32,
                 "BLOCK_D": 128,
             }
             for optim in (0, 1)
-            for weighted in (False, True)
         ],
     ),
 }

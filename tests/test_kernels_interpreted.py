@@ -64,6 +64,7 @@ def k():
         row_buckets,
         row_update,
         rows_put,
+        run_update,
         update_keys,
     )
 
@@ -74,6 +75,7 @@ def k():
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
+    Kernels.run_update = run_update
     return Kernels
 
 
@@ -775,13 +777,21 @@ def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, se
         ("EXACT_ROWWISE_ADAGRAD", False, True, 2),
     ],
 )
-def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weighted, mean, wd_mode):
+def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weighted, mean, wd_mode, monkeypatch):
     """The fused sparse update of a padded, fixed-capacity index tensor equals a float64
     reference of FBGEMM's GPU update and, without weight decay (which FBGEMM's CPU
     kernel ignores), FBGEMM's fused backward of exactly the batch's ids (weights and
     optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
-    empty bags; rows wide enough (``wide``) that a program takes fewer positions. A bad
-    step's record, or an error of the transport, leaves everything as it was."""
+    empty bags; rows wide enough (``wide``) that a block takes fewer positions; and
+    (seeds 0, 1) blocks of two positions, so that most repeated rows cross blocks and
+    ``run_update`` sums them a chunk of one or two blocks at a time. A bad step's
+    record, or an error of the transport, leaves everything as it was."""
+    from torchrec_pgas.kernels import row_step
+
+    if seed < 2:
+        monkeypatch.setattr(k.row_update, "TILE", 32)
+        monkeypatch.setattr(k.row_update, "MIN_ROWS", 2)
+        monkeypatch.setattr(k.run_update, "TILE", 32)
     dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
@@ -796,7 +806,9 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     values[torch.rand(values.numel(), generator=g) < 0.3] = 1
     offsets = _offsets(lengths)
     psw = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
-    grad = torch.randn(B, sum(dims[t] for t in table_of), generator=g)
+    # A gradient wider than the features' columns: the pitch is read, not assumed.
+    total_dim = sum(dims[t] for t in table_of)
+    grad = torch.randn(B, total_dim + 3, generator=g)[:, :total_dim]
 
     adagrad = optimizer != "EXACT_SGD"
     w0 = tbe.weights_host.detach().clone()
@@ -806,23 +818,34 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     indices = torch.cat([values, torch.randint(-5, 1000, (pad,), generator=g)])
     psw_in = torch.cat([psw, torch.rand(pad, generator=g)]) if weighted else torch.empty(1)
     D_off = tbe.D_offsets.tolist()
+    first_row = tbe.hash_size_cumsum.tolist()
     state_at = tbe.momentum1_offsets.tolist() if adagrad else [0] * F
-    features = torch.tensor(
-        [[int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], D_off[f], int(mean), state_at[f]] for f in range(F)],
+    features = torch.tensor([[first_row[f], D_off[f], int(mean)] for f in range(F)], dtype=torch.int64)
+    tables = torch.tensor(
+        sorted({(first_row[f], int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], state_at[f]) for f in range(F)}),
         dtype=torch.int64,
     )
-    keys = torch.empty_like(indices)
-    bag_of = torch.empty_like(indices)
-    k.update_keys.update_keys(offsets, indices, features, keys, bag_of, B)
+    n = indices.numel()
+    keys = torch.empty(n, dtype=k.update_keys.key_dtype(int(tbe.total_hash_size)))
+    src = torch.empty(n, dtype=torch.int64)
+    scaled = weighted or mean
+    scale = torch.empty(n) if scaled else torch.empty(1)
+    k.update_keys.update_keys(offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), scaled, weighted)
     sorted_keys, order = torch.sort(keys, stable=True)
     S = 3
+    block_d = k.row_update.dim_block(max(dims))
+    partial = torch.full((2 * -(-n // k.row_update.block_rows(max(dims))), block_d), float("nan"))
 
     def run(record, err=torch.zeros(4, dtype=torch.int64)):
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
+        optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
+        hyper = (0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
         k.row_update.row_update(
-            sorted_keys, order, bag_of, offsets, psw_in, features, grad, table, state, record, err, B, S,
-            max(dims), k.row_update.SGD if optimizer == "EXACT_SGD" else k.row_update.ROWWISE_ADAGRAD,
-            0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode, weighted,
+            sorted_keys, order, src, scale, tables, grad, table, state, partial, record, err, S, max(dims), optim,
+            *hyper, scaled,
+        )  # fmt: skip
+        k.run_update.run_update(
+            sorted_keys, tables, table, state, partial, record, err, S, max(dims), optim, *hyper
         )  # fmt: skip
         return table, state
 
@@ -839,23 +862,23 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     ref_w, ref_m = w0.double().clone(), m0.double().clone()
     summed = {}
     for f in range(F):
-        dim, col = int(features[f, 1]), int(features[f, 2])
+        dim, col = D_off[f + 1] - D_off[f], D_off[f]
         for b in range(B):
             lo, hi = int(offsets[f * B + b]), int(offsets[f * B + b + 1])
             for p in range(lo, hi):
                 scale = (float(psw[p]) if weighted else 1.0) / ((hi - lo) if mean else 1)
-                key = int(features[f, 0]) + int(values[p]) * dim
+                key = int(tbe.weights_offsets[f]) + int(values[p]) * dim
                 row = grad[b, col : col + dim].double() * scale
                 summed[key] = (summed[key][0] + row, f) if key in summed else (row, f)
     lr, eps, wd = 0.05, 1e-2, 0.03 if wd_mode else 0.0
     for key, (gsum, f) in summed.items():
-        dim = int(features[f, 1])
+        dim = D_off[f + 1] - D_off[f]
         w = ref_w[key : key + dim]
         if not adagrad:
             w -= lr * gsum
             continue
         g2 = gsum + wd * w if wd_mode == 1 else gsum
-        at = int(features[f, 4]) + (key - int(features[f, 0])) // dim
+        at = state_at[f] + (key - int(tbe.weights_offsets[f])) // dim
         ref_m[at] += (g2 * g2).mean()
         mult = lr / (ref_m[at].sqrt() + eps)
         c = 1 - mult * wd if wd_mode == 1 else 1 - lr * wd if wd_mode == 2 else 1.0

@@ -27,8 +27,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.row_update import ROWWISE_ADAGRAD, SGD, row_update
-from torchrec_pgas.kernels.update_keys import update_keys
+from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
+from torchrec_pgas.kernels.row_update import block_rows, dim_block, row_update
+from torchrec_pgas.kernels.run_update import run_update
+from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
 #: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
@@ -37,14 +39,18 @@ _WEIGHT_DECAY_MODES = (0, 1, 2)
 
 @dataclass
 class GroupUpdate:
-    """What one lookup group's update reads: its FBGEMM module and, per feature, the
-    table offset, dim, gradient column, mean pooling and optimizer state offset
-    (``features``, int64 [F, 5], see ``kernels/update_keys``)."""
+    """What one lookup group's update reads: its FBGEMM module, per feature its
+    table's first row, gradient column and mean pooling (``features``, int64 [F, 3],
+    see ``kernels/update_keys``), per table where its rows lie (``tables``, int64
+    [T, 4], see ``kernels/row_step``), and the dtype of its rows' sort keys."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
     features: torch.Tensor
+    tables: torch.Tensor
     optim: int
     max_dim: int
+    keys: torch.dtype
+    mean: bool
 
 
 def _qualifies(tbe: Any, weighted: bool) -> bool:
@@ -98,12 +104,25 @@ class FusedUpdate:
         groups, col = [], 0
         for t in tbes:
             dims, at = t.D_offsets.tolist(), t.weights_offsets.tolist()
+            first_rows = t.hash_size_cumsum.tolist()
             adagrad = t.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
             state = t.momentum1_offsets.tolist() if adagrad else [0] * len(at)
             mean = int(t.pooling_mode == PoolingMode.MEAN)
-            rows = [[at[f], dims[f + 1] - dims[f], col + dims[f], mean, state[f]] for f in range(len(dims) - 1)]
-            features = torch.tensor(rows, dtype=torch.int64, device=self._dev)
-            groups.append(GroupUpdate(t, features, _OPTIMS[t.optimizer], max(r[1] for r in rows)))
+            per_feature = range(len(dims) - 1)
+            features = [[first_rows[f], col + dims[f], mean] for f in per_feature]
+            # Features that share a table share its row.
+            tables = sorted({(first_rows[f], at[f], dims[f + 1] - dims[f], state[f]) for f in per_feature})
+            groups.append(
+                GroupUpdate(
+                    tbe=t,
+                    features=torch.tensor(features, dtype=torch.int64, device=self._dev),
+                    tables=torch.tensor(tables, dtype=torch.int64, device=self._dev),
+                    optim=_OPTIMS[t.optimizer],
+                    max_dim=max(r[2] for r in tables),
+                    keys=key_dtype(int(t.total_hash_size)),
+                    mean=bool(mean),
+                )
+            )
             col += dims[-1]
         self._key, self._groups = key, groups
         return groups
@@ -124,34 +143,69 @@ class FusedUpdate:
         ``err`` the transport's error record."""
         for group, kjt in zip(groups, kjts):
             tbe, indices, offsets = group.tbe, kjt.values(), kjt.offsets()
-            keys = torch.empty_like(indices)
-            bag_of = torch.empty_like(indices)
-            update_keys(offsets, indices, group.features, keys, bag_of, bags_per_feature)
+            n, scaled = indices.numel(), self._weighted or group.mean
+            keys = torch.empty(n, dtype=group.keys, device=indices.device)
+            src = torch.empty_like(indices)
+            scale = torch.empty(n, dtype=torch.float32, device=indices.device) if scaled else self._no_weights
+            update_keys(
+                offsets,
+                indices,
+                kjt.weights() if self._weighted else self._no_weights,
+                group.features,
+                keys,
+                src,
+                scale,
+                bags_per_feature,
+                grad.stride(0),
+                scaled,
+                self._weighted,
+            )
             keys, order = torch.sort(keys, stable=True)
-            weights = kjt.weights() if self._weighted else self._no_weights
+            partial = torch.empty(
+                2 * -(-n // block_rows(group.max_dim)),
+                dim_block(group.max_dim),
+                dtype=torch.float32,
+                device=indices.device,
+            )
             args = tbe.optimizer_args
             adagrad = group.optim == ROWWISE_ADAGRAD
-            row_update(
-                keys,
-                order,
-                bag_of,
-                offsets,
-                weights,
-                group.features,
-                grad,
-                tbe.weights_dev,
-                tbe.momentum1_dev if adagrad else self._no_weights,
-                record,
-                err,
-                bags_per_feature,
-                num_sources,
-                group.max_dim,
-                group.optim,
+            state = tbe.momentum1_dev if adagrad else self._no_weights
+            hyper = (
                 float(tbe.get_learning_rate()),
                 float(args.eps),
                 float(args.weight_decay) if adagrad else 0.0,
                 int(args.weight_decay_mode) if adagrad else 0,
-                self._weighted,
+            )
+            row_update(
+                keys,
+                order,
+                src,
+                scale,
+                group.tables,
+                grad,
+                tbe.weights_dev,
+                state,
+                partial,
+                record,
+                err,
+                num_sources,
+                group.max_dim,
+                group.optim,
+                *hyper,
+                scaled,
+            )
+            run_update(
+                keys,
+                group.tables,
+                tbe.weights_dev,
+                state,
+                partial,
+                record,
+                err,
+                num_sources,
+                group.max_dim,
+                group.optim,
+                *hyper,
             )
 
 

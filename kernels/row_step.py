@@ -1,0 +1,78 @@
+"""The optimizer step of a table row from its summed gradient, shared by the two launches
+of the fused sparse update (``row_update`` for runs inside a block of sorted positions,
+``run_update`` for runs across blocks), for ``EXACT_SGD`` and ``EXACT_ROWWISE_ADAGRAD``
+with fp32 weights, as FBGEMM's fused backward applies them:
+
+* ``SGD``: ``w -= lr * g``.
+* ``ROWWISE_ADAGRAD``: ``m += mean((g + wd * w)^2)`` with L2 weight decay (mode 1), else
+  ``mean(g^2)``; ``mult = lr / (sqrt(m) + eps)``; ``w = c * w - mult * g`` with
+  ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
+
+Buffers:
+    tables:  int64 [T, TABLE_WORDS]  per table of the group, by first row: its first row
+             in the group's rows (the update's keys), its offset in the weights
+             (elements), its dim, its offset in the optimizer state (rows)
+"""
+
+import triton
+import triton.language as tl
+
+#: ``OPTIM`` values.
+SGD, ROWWISE_ADAGRAD = 0, 1
+#: ``tables`` columns.
+TABLE_WORDS = 4
+FIRST_ROW, WEIGHTS_AT, DIM, STATE_AT = range(TABLE_WORDS)
+
+
+@triton.jit
+def row_place(tables_ptr, key, mask, num_tables, search_steps, TABLE_WORDS: tl.constexpr):
+    """Where the rows ``key`` (int64 [R]) lie: their element offset in the weights, their
+    dim and their index in the optimizer state (0 where ``mask`` is off)."""
+    lo = tl.zeros_like(key)
+    hi = tl.zeros_like(key) + num_tables - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(tables_ptr + mid * TABLE_WORDS, mask=mask, other=0) <= key
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    first = tl.load(tables_ptr + lo * TABLE_WORDS, mask=mask, other=0)
+    at = tl.load(tables_ptr + lo * TABLE_WORDS + 1, mask=mask, other=0)
+    dim = tl.load(tables_ptr + lo * TABLE_WORDS + 2, mask=mask, other=0)
+    state = tl.load(tables_ptr + lo * TABLE_WORDS + 3, mask=mask, other=0)
+    return at + (key - first) * dim, dim, state + (key - first)
+
+
+@triton.jit
+def row_step(
+    w,
+    g,
+    dim,
+    mask,
+    state_ptr,
+    state_at,
+    learning_rate,
+    eps,
+    weight_decay,
+    weight_decay_mode,
+    OPTIM: tl.constexpr,
+):
+    """The rows ``w`` (fp32 [R, BLOCK_D], zero past ``dim``) after the step of their
+    summed gradients ``g`` (the same shape); updates the optimizer state of the rows
+    where ``mask`` is on."""
+    if OPTIM == 0:
+        w = w - learning_rate * g
+    else:
+        g2 = g
+        if weight_decay_mode == 1:
+            g2 = g + weight_decay * w
+        g_avg_square = tl.sum(g2 * g2, axis=1) / tl.maximum(dim, 1).to(tl.float32)
+        sum_square = tl.load(state_ptr + state_at, mask=mask, other=0.0) + g_avg_square
+        tl.store(state_ptr + state_at, sum_square, mask=mask)
+        multiplier = learning_rate / (tl.sqrt_rn(sum_square) + eps)
+        correction = tl.full(multiplier.shape, 1.0, tl.float32)
+        if weight_decay_mode == 1:
+            correction = 1.0 - multiplier * weight_decay
+        elif weight_decay_mode == 2:
+            correction = correction - learning_rate * weight_decay
+        w = correction[:, None] * w - multiplier[:, None] * g
+    return w
