@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import in_order, make_tables, random_kjt, run_ranks
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
@@ -385,19 +387,27 @@ def test_planner_constraints_place_row_wise(world_size, dtype, weighted):
 # The GPU path's pieces that run on the CPU too (tests/test_gpu_quant.py runs the rest).
 
 
-def test_pooling_of_fixed_shape_lookup_groups():
+@pytest.mark.parametrize("direct", [False, True])
+def test_pooling_of_fixed_shape_lookup_groups(direct):
     """``_pool_groups`` on lookup groups laid out as the GPU exchange lays them (bag
     ``(feature, source, sample)`` of ``world * capacity`` per feature, bags past a
     source's batch empty) gives, row ``source * capacity + sample``, the unsharded
     module's output of that source's batch, bit for bit; a weighted module with sum
-    and mean tables (two FBGEMM modules, two lookup groups). On GPUs the index tensors
-    are longer than the bags, which FBGEMM's CPU kernel refuses: test_gpu_quant.py."""
-    from torchrec_pgas.quant.sharded import _group_sizes, _lookup_order, _pool_groups
+    and mean tables (two FBGEMM modules, two lookup groups). ``direct``: through
+    ``_NBitLookup``s of FBGEMM modules without a bounds check, as on GPUs (each calls
+    FBGEMM's operator itself). On GPUs the index tensors are longer than the bags,
+    which FBGEMM's CPU kernel refuses: test_gpu_quant.py."""
+    from torchrec_pgas.quant.sharded import _group_sizes, _lookup_order, _NBitLookup, _pool_groups
 
     tables = make_tables(2, 61, PoolingType.MEAN) + make_tables(3, 62, PoolingType.SUM)
     for i, t in enumerate(tables):
         t.name, t.feature_names = f"t{i}", [f"f{i}"]
     module = _quantized(tables, "int4", True, 61)
+    lookups = None
+    if direct:
+        for tbe in module._emb_modules:
+            tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+        lookups = [_NBitLookup(tbe) for tbe in module._emb_modules]
     order = _lookup_order(tables)
     sizes = _group_sizes(order)
     assert sizes == [2, 3]
@@ -425,13 +435,87 @@ def test_pooling_of_fixed_shape_lookup_groups():
                 stride=world * cap,
             )
         )
-    pooled = _pool_groups(module, groups, weighted=True)
+    pooled = _pool_groups(module, groups, weighted=True, lookups=lookups)
     assert pooled.shape == (world * cap, sum(t.embedding_dim for t in tables))
+    if direct:
+        assert all(lookup._args is not None for lookup in lookups)  # FBGEMM's operator, called here
     for s, kjt in enumerate(batches):
         rows = pooled[s * cap : (s + 1) * cap]
         expected = module(kjt).values() if kjt.stride() else rows[:0]
         assert torch.equal(rows[: kjt.stride()], expected), s
         assert torch.equal(rows[kjt.stride() :], torch.zeros_like(rows[kjt.stride() :])), s
+
+
+class _Casts(TorchDispatchMode):
+    """Counts the dtype conversions run under it (a launch each on GPUs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nbit_lookup_equals_the_unsharded_module(dtype, weighted):
+    """An owner's FBGEMM modules without a bounds check (as ``_local_module`` builds
+    them on GPUs), called through ``_NBitLookup`` with the exchange's int64 ids and
+    offsets, pool what the unsharded quantized module's forward does, bit for bit,
+    with no dtype conversion on the way (TorchRec's forward casts to int32 on GPUs)."""
+    from torchrec_pgas.quant.sharded import _NBitLookup, _pool_groups
+
+    tables = make_tables(4, 71)
+    module = _quantized(tables, dtype, weighted, 71)
+    kjt = random_kjt(tables, 9, 72, weighted=weighted)
+    expected = module(kjt).values()
+    for tbe in module._emb_modules:
+        tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+    lookups = [_NBitLookup(tbe) for tbe in module._emb_modules]
+    assert len(lookups) == 1 and kjt.values().dtype == kjt.offsets().dtype == torch.int64
+    casts = _Casts()
+    with casts:
+        pooled = _pool_groups(module, [kjt], weighted, lookups)
+    assert lookups[0]._args is not None  # FBGEMM's operator, called directly
+    assert casts.count == 0
+    assert torch.equal(pooled, expected)
+
+
+def test_nbit_lookup_follows_the_module():
+    """``_NBitLookup`` calls the FBGEMM module itself where its forward does more than
+    the operator (a bounds check, a hook), and reads the module's tensors again once
+    they are replaced: its output is always the module's own forward's."""
+    from torchrec_pgas.quant.sharded import _NBitLookup
+
+    tables = make_tables(3, 81)
+    module = _quantized(tables, "int8", False, 81)
+    tbe = module._emb_modules[0]
+    kjt = random_kjt(tables, 7, 82)
+    ids, offsets = kjt.values(), kjt.offsets()
+    lookup = _NBitLookup(tbe)
+
+    def forward():
+        return tbe(indices=ids, offsets=offsets)
+
+    assert tbe.bounds_check_mode_int != BoundsCheckMode.NONE.value
+    assert torch.equal(lookup(ids, offsets, None), forward()) and lookup._args is None
+    tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+    assert torch.equal(lookup(ids, offsets, None), forward()) and lookup._args is not None
+    calls = []
+    handle = tbe.register_forward_hook(lambda m, args, out: calls.append(1))
+    lookup(ids, offsets, None)
+    assert calls == [1] and lookup._args is None
+    handle.remove()
+    # Rows replaced (as ``_apply`` or an assignment would): the new ones are read
+    # (all zero, scales too: zero output, where the old rows gave another).
+    assert forward().abs().sum() > 0
+    rows = "weights_host" if tbe.host_size > 0 else "weights_dev"
+    setattr(tbe, rows, torch.zeros_like(getattr(tbe, rows)))
+    out = lookup(ids, offsets, None)
+    assert lookup._args is not None and torch.equal(out, forward())
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def _check_whole_batches(rank, world_size, seed):

@@ -193,22 +193,124 @@ def _group_sizes(tables: Sequence[EmbeddingBagConfig]) -> List[int]:
     return list(sizes.values())
 
 
+class _NBitLookup:
+    """FBGEMM's int-N lookup of one module of an owner's ``QuantEmbeddingBagCollection``
+    (``tbe``), as the module's forward makes it for the modules ``_local_module``
+    builds: the same operator with the same arguments, without the forward's host
+    steps that do nothing for them (moving inputs already on the module's device, an
+    index remapping and a row cache they do not have, a bounds check they skip, the
+    queue of cache locations never filled), which would otherwise run at every step.
+
+    A module that has any of those, or hooks, is called as a module; so is one whose
+    attributes differ from those this was written against (another FBGEMM)."""
+
+    def __init__(self, tbe: nn.Module) -> None:
+        self.tbe = tbe
+        self._key: Optional[Tuple[Any, ...]] = None
+        self._args: Optional[Dict[str, Any]] = None  # None: called as a module
+
+    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        tbe = self.tbe
+        state = tbe.__dict__
+        # Rebuilt if the module's tensors or settings were replaced (``_apply``, an
+        # assignment): what it reads is what the module would read now.
+        key = (
+            tuple(map(id, tbe._buffers.values())),
+            id(state.get("weights_dev")),
+            id(state.get("weights_host")),
+            id(state.get("weights_uvm")),
+            state.get("bounds_check_mode_int"),
+            state.get("_report_input_params"),
+            bool(tbe._forward_hooks or tbe._forward_pre_hooks),
+        )
+        if key != self._key:
+            self._args, self._key = _nbit_args(tbe), key
+        args = self._args
+        if args is None or _global_module_hooks():
+            return tbe(indices=indices, offsets=offsets, per_sample_weights=weights)
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            indices=indices, offsets=offsets, indice_weights=weights, **args
+        )
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module would run at a module's call."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def _nbit_args(tbe: nn.Module) -> Optional[Dict[str, Any]]:
+    """The arguments, other than the batch, of the int-N operator that ``tbe``'s
+    forward calls, if that forward does nothing else for this module; else None."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen as TBE
+
+    cls = type(tbe)
+    if not isinstance(tbe, TBE) or cls.forward is not TBE.forward or cls._forward_impl is not TBE._forward_impl:
+        return None
+    try:
+        plain = (
+            getattr(tbe, "_report_input_params", None) is None
+            and tbe.weight_initialized
+            and tbe.bounds_check_mode_int == BoundsCheckMode.NONE.value
+            and tbe.index_remapping_hash_table_cpu is None
+            and tbe.index_remapping_hash_table.numel() == 0
+            and tbe.index_remappings_array.numel() == 0
+            and tbe.lxu_cache_weights.numel() == 0
+            and not (tbe._forward_hooks or tbe._forward_pre_hooks)
+        )
+        if not plain:
+            return None
+        device = tbe.bounds_check_warning.device
+        return dict(
+            dev_weights=tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev,
+            uvm_weights=tbe.weights_uvm,
+            weights_placements=tbe.weights_placements,
+            weights_offsets=tbe.weights_offsets,
+            weights_tys=tbe.weights_tys,
+            D_offsets=tbe.D_offsets,
+            total_D=tbe.total_D,
+            max_int2_D=tbe.max_int2_D,
+            max_int4_D=tbe.max_int4_D,
+            max_int8_D=tbe.max_int8_D,
+            max_float16_D=tbe.max_float16_D,
+            max_float32_D=tbe.max_float32_D,
+            pooling_mode=int(tbe.pooling_mode),
+            output_dtype=tbe.output_dtype,
+            lxu_cache_weights=tbe.lxu_cache_weights,
+            # What the forward pops from its queue of cache locations when none was
+            # pushed (only a prefetch pushes, for a row cache).
+            lxu_cache_locations=torch.full((0,), -1, dtype=torch.int32, device=device),
+            row_alignment=tbe.row_alignment,
+            max_float8_D=tbe.max_float8_D,
+            fp8_exponent_bits=tbe.fp8_exponent_bits,
+            fp8_exponent_bias=tbe.fp8_exponent_bias,
+        )
+    except AttributeError:
+        return None
+
+
 def _pool_groups(
-    local: QuantEmbeddingBagCollection, groups: Sequence[KeyedJaggedTensor], weighted: bool
+    local: QuantEmbeddingBagCollection,
+    groups: Sequence[KeyedJaggedTensor],
+    weighted: bool,
+    lookups: Optional[Sequence[_NBitLookup]] = None,
 ) -> torch.Tensor:
     """The pooled rows of the GPU exchange's lookup groups (one per FBGEMM module of
     ``local``, in its order), side by side: ``local``'s forward without its split of
-    the batch by feature, which reads the lengths back to the host. The ids and
-    offsets go in as int32, as TorchRec's quantized forward gives them on GPUs."""
-    outs = [
-        tbe(
-            indices=kjt.values().int(),
-            offsets=kjt.offsets().int(),
-            per_sample_weights=kjt.weights() if weighted else None,
-        )
-        for tbe, kjt in zip(local._emb_modules, groups)
-    ]
+    the batch by feature, which reads the lengths back to the host. ``lookups``:
+    ``local``'s modules as ``_NBitLookup``s (default: called as modules).
+
+    The ids and offsets go in as the exchange lays them out, int64: FBGEMM's int-N
+    kernel takes int32 or int64 (TorchRec's forward casts to int32, two more launches
+    per step) and pools the same rows in the same order either way."""
+    calls = lookups if lookups is not None else [_as_module(tbe) for tbe in local._emb_modules]
+    outs = [call(kjt.values(), kjt.offsets(), kjt.weights() if weighted else None) for call, kjt in zip(calls, groups)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _as_module(tbe: nn.Module) -> Any:
+    return lambda indices, offsets, weights: tbe(indices=indices, offsets=offsets, per_sample_weights=weights)
 
 
 class _ServedExchange(PgasShardingMixin):
@@ -352,6 +454,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._keys = list(module._embedding_names)
         self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
         self._columns = columns.to(device) if columns is not None else None
+        # GPUs: each pooling module's FBGEMM lookups (``_pool``), by the module's id.
+        self._lookups: Dict[int, List[_NBitLookup]] = {}
 
     def _make_exchange(
         self, host_type: Type[TwExchange], transport: object, group_sizes: List[int], **args: object
@@ -454,7 +558,11 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             return local(batch.kjt).values()
         if local is None:
             return torch.empty(batch.stride(), 0, dtype=self._out_dtype, device=self._device)
-        return _pool_groups(local, batch.groups, self._is_weighted)  # type: ignore[attr-defined]
+        lookups = self._lookups.get(id(local))
+        if lookups is None or [x.tbe for x in lookups] != list(local._emb_modules):
+            # Once per pooling module (its FBGEMM modules' lookups keep their arguments).
+            lookups = self._lookups[id(local)] = [_NBitLookup(tbe) for tbe in local._emb_modules]
+        return _pool_groups(local, batch.groups, self._is_weighted, lookups)  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
