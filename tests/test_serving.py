@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from dist_utils import torchrun_ok
+from torchrec import KeyedJaggedTensor
 
-from torchrec_pgas.benchmark import serving
-from torchrec_pgas.benchmark.config import base_config
+from torchrec_pgas.benchmark import serving, workload
+from torchrec_pgas.benchmark.config import Config, base_config
 
 TINY = ["--tables", "3", "--rows", "64", "--dim", "8", "--ids-per-bag", "3", "--iters", "4", "--warmup", "1"]
 
@@ -106,3 +108,56 @@ def test_runs_on_two_cpu_ranks(tmp_path):
     assert rows["pgas eager"]["p50_ms"] > 0 and rows["float table_wise"]["p50_ms"] > 0
     assert rows["pgas eager"]["samples_per_s"] == pytest.approx(16 / (rows["pgas eager"]["p50_ms"] / 1e3))
     assert rows["torchrec quant"]["note"] == "n/a: TorchRec's one-process path drives GPUs only"
+
+
+class _ReadBack(Exception):
+    pass
+
+
+def test_torchrecs_graphed_step_reads_no_lengths_back(monkeypatch):
+    """``torchrec_graph``: TorchRec's serving path built from the batch's values and
+    lengths with its per-feature id counts given (``length_per_key``) never computes
+    them (on GPUs, a copy to pageable host memory that a capture refuses: their
+    ``_safe_tolist``), and serves every batch as the unsharded quantized module does;
+    a KJT without them computes them in TorchRec's split. Captured on GPUs only: here
+    the "graph" is the step run eagerly."""
+    from torchrec.distributed import global_settings
+    from torchrec.sparse import jagged_tensor
+
+    monkeypatch.setattr(global_settings, "PROPOGATE_DEVICE", global_settings.get_propogate_device())
+    cpu = torch.device("cpu")
+    cfg = Config(3, 64, 8, 5, 3, 0.0, 1)
+    ebc = serving.float_tables(cfg, cpu)
+    unsharded = serving.quantized(ebc, "int8")
+    model = serving.torchrec_quant(ebc, "int8", 1, cpu)
+    kjts = workload.batches(cfg, cpu, 3, 0)
+    captured = []
+
+    def graph(fn, *example, model):
+        captured.append([t.clone() for t in example])
+        return lambda *args: fn(*args)
+
+    monkeypatch.setattr(serving, "_graph", graph)
+    step = serving.torchrec_graph(model, kjts)
+    assert len(captured) == 1 and torch.equal(captured[0][0], kjts[0].values())
+
+    def read_back(tensor):
+        raise _ReadBack()
+
+    monkeypatch.setattr(jagged_tensor, "_safe_tolist", read_back)
+    with torch.no_grad():
+        for kjt in kjts:
+            fresh = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths())
+            assert torch.equal(step(fresh), unsharded(kjt))
+        with pytest.raises(_ReadBack):
+            model(KeyedJaggedTensor(keys=kjts[0].keys(), values=kjts[0].values(), lengths=kjts[0].lengths()))
+
+
+def test_torchrecs_graphed_step_needs_one_count_per_feature_for_every_batch():
+    """A graph fixes the per-feature id counts TorchRec's split slices by: batches
+    whose counts differ are refused before anything is captured."""
+    keys = ["f0", "f1"]
+    same = KeyedJaggedTensor(keys=keys, values=torch.arange(4), lengths=torch.tensor([1, 1, 1, 1]))
+    other = KeyedJaggedTensor(keys=keys, values=torch.arange(4), lengths=torch.tensor([2, 1, 0, 1]))
+    with pytest.raises(ValueError, match=r"batches \[1\] have other ids per feature than batch 0"):
+        serving.torchrec_graph(torch.nn.Identity(), [same, other])

@@ -18,13 +18,20 @@ as slow as its slowest rank):
   (``ShardedQuantEmbeddingBagCollection``, table-wise), the path where one process
   drives every GPU: run by rank 0 alone on the global batch (``world`` times the
   per-rank batch), over GPUs 0 to ``world - 1`` (one at world size 1);
-* ``torchrec quant graphed``: the same captured in a CUDA graph, or n/a with the reason
-  the capture gave;
+* ``torchrec quant graphed``: the same captured in a CUDA graph (``torchrec_graph``),
+  as a TorchRec user captures it: the batch's per-feature id counts given with it
+  (``KeyedJaggedTensor(length_per_key=...)``), known on the host for batches of a fixed
+  shape, so that TorchRec's split of the batch by rank does not read them back (a copy
+  to the host, which a graph cannot record); or n/a with the reason the capture gave;
 * ``float table_wise``: the float tables under ``DistributedModelParallel`` with
   TorchRec's ``table_wise`` (``--no-float`` leaves it out).
 
 It checks that ours and TorchRec's quantized outputs agree on the same batch (world
-size 1: the same batch; they run the same FBGEMM kernel on the same rows). Results:
+size 1: the same batch; they run the same FBGEMM kernel on the same rows), and each
+graphed path against its eager one. Every path cycles through the same ``BATCHES``
+KeyedJaggedTensors: a KJT keeps the per-feature id counts once computed, so TorchRec's
+eager split reads them back at each batch's first use only (warm-up), where a new KJT
+per request would read them at every step. Results:
 a table on rank 0's stdout with each path's p50 over ours eager, and
 ``OUT/serving.md``, ``OUT/serving.json``, ``OUT/serving.png``.
 """
@@ -260,11 +267,48 @@ def write(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str) -> Lis
 # -------------------------------------------------------------------- the run
 
 
-def _graph(fn: Callable[..., Any], example: KeyedJaggedTensor, model: nn.Module) -> Callable[[KeyedJaggedTensor], Any]:
+def _graph(fn: Callable[..., Any], *example: Any, model: nn.Module) -> Callable[..., Any]:
     from torchrec_pgas.graphs import capture
 
     with torch.no_grad():
-        return capture(fn, example, model=model)
+        return capture(fn, *example, model=model)
+
+
+def torchrec_graph(model: nn.Module, kjts: Sequence[KeyedJaggedTensor]) -> Callable[[KeyedJaggedTensor], Any]:
+    """TorchRec's serving path (``torchrec_quant``) captured in a CUDA graph, replayed
+    for any of ``kjts`` (batches of one shape); the step takes a KJT, whose values and
+    lengths are copied in.
+
+    TorchRec's input dist splits the batch by rank (``KJTOneToAll.forward``,
+    torchrec/distributed/dist_data.py) with ``KeyedJaggedTensor.split``, which starts
+    with ``length_per_key()``: unless the KJT carries them, the per-feature id counts
+    are summed on the device and copied to pageable host memory
+    (``_maybe_compute_length_per_key`` -> ``_safe_tolist`` -> ``_cuda_to_cpu_safe``,
+    torchrec/sparse/jagged_tensor.py), which a capture refuses. A batch of fixed shape
+    has them known on the host: the graph's KJT is built with them
+    (``length_per_key=``, public), read once from the first batch, outside the graph.
+    The split slices every rank's features by them, so every batch must have the same
+    counts (at world size 1 the one split is the whole batch, which reads none).
+
+    Raises:
+        ValueError: the batches' counts differ (the graph would split them wrong).
+    """
+    keys, stride = kjts[0].keys(), kjts[0].stride()
+    per_key = [int(n) for n in kjts[0].length_per_key()]
+    differ = [i for i, kjt in enumerate(kjts) if list(kjt.length_per_key()) != per_key or kjt.keys() != keys]
+    if differ:
+        raise ValueError(
+            f"batches {differ} have other ids per feature than batch 0: TorchRec's split by rank "
+            f"(KeyedJaggedTensor.split) reads them per batch, a graph fixes them"
+        )
+
+    def step(values: torch.Tensor, lengths: torch.Tensor) -> Any:
+        return model(
+            KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=stride, length_per_key=per_key)
+        )
+
+    graph = _graph(step, kjts[0].values(), kjts[0].lengths(), model=model)
+    return lambda kjt: graph(kjt.values(), kjt.lengths())
 
 
 def _failure(e: BaseException) -> str:
@@ -318,7 +362,7 @@ def run(
             times["pgas eager"] = latencies(step_of(ours, kjts), args.iters, args.warmup, device, pg)
         progress.update()
         if gpu:
-            step = _graph(ours, kjts[0], ours)
+            step = _graph(ours, kjts[0], model=ours)
             graphed = step(kjts[0]).clone()
             diff = float((graphed - torch.cat([first[k] for k in kjts[0].keys()], dim=1)).abs().max())
             checks.append(f"batch {b}: pgas graphed vs eager, max abs difference {diff:.3g} (rank {rank})")
@@ -356,7 +400,11 @@ def run(
         # Last: a capture that fails may leave the device's state behind it unclear.
         if tr_model is not None and not tr_graph_note:
             try:
-                tr_step = _graph(tr_model, tr_kjts[0], tr_model)
+                tr_step = torchrec_graph(tr_model, tr_kjts)
+                with torch.no_grad():
+                    eager = tr_model(tr_kjts[0]).clone()
+                diff = float((tr_step(tr_kjts[0]) - eager).abs().max())
+                checks.append(f"batch {b}: torchrec quant graphed vs eager, max abs difference {diff:.3g}")
                 times["torchrec quant graphed"] = latencies(
                     step_of(tr_step, tr_kjts), args.iters, args.warmup, device, None
                 )
