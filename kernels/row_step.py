@@ -7,11 +7,6 @@ with fp32 weights, as FBGEMM's fused backward applies them:
 * ``ROWWISE_ADAGRAD``: ``m += mean((g + wd * w)^2)`` with L2 weight decay (mode 1), else
   ``mean(g^2)``; ``mult = lr / (sqrt(m) + eps)``; ``w = c * w - mult * g`` with
   ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
-
-Buffers:
-    tables:  int64 [T, TABLE_WORDS]  per table of the group, by first row: its first row
-             in the group's rows (the update's keys), its offset in the weights
-             (elements), its dim, its offset in the optimizer state (rows)
 """
 
 import triton
@@ -19,27 +14,6 @@ import triton.language as tl
 
 #: ``OPTIM`` values.
 SGD, ROWWISE_ADAGRAD = 0, 1
-#: ``tables`` columns.
-TABLE_WORDS = 4
-FIRST_ROW, WEIGHTS_AT, DIM, STATE_AT = range(TABLE_WORDS)
-
-
-@triton.jit
-def row_place(tables_ptr, key, mask, num_tables, search_steps, TABLE_WORDS: tl.constexpr):
-    """Where the rows ``key`` (int64 [R]) lie: their element offset in the weights, their
-    dim and their index in the optimizer state (0 where ``mask`` is off)."""
-    lo = tl.zeros_like(key)
-    hi = tl.zeros_like(key) + num_tables - 1
-    for _ in range(search_steps):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(tables_ptr + mid * TABLE_WORDS, mask=mask, other=0) <= key
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    first = tl.load(tables_ptr + lo * TABLE_WORDS, mask=mask, other=0)
-    at = tl.load(tables_ptr + lo * TABLE_WORDS + 1, mask=mask, other=0)
-    dim = tl.load(tables_ptr + lo * TABLE_WORDS + 2, mask=mask, other=0)
-    state = tl.load(tables_ptr + lo * TABLE_WORDS + 3, mask=mask, other=0)
-    return at + (key - first) * dim, dim, state + (key - first)
 
 
 @triton.jit

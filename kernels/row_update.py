@@ -8,10 +8,10 @@ ids were keyed and sorted first (``update_keys``, then a stable sort, which puts
 row's occurrences together in batch order and the unused positions last), so the update
 reads only the batch's ids and a captured step updates exactly the rows the batch read.
 
-Program ``b`` takes sorted positions ``b * ROWS ...``: it gathers their gradient rows at
-once (each occurrence's bag's row of the gradient at its feature's column, times its
-scale), sums each row's occurrences in the block by a segmented scan (in fp32, in a fixed
-order), and the last occurrence of each row in the block:
+Program ``b`` takes sorted positions ``b * ROWS ...`` at once (rows in parallel: the
+update is bound by the latency of its scattered reads); the first occurrence of each row
+in the block sums the row's occurrences in the block (each occurrence's bag's row of the
+gradient at its feature's column, times its scale; in fp32, in batch order) and:
 
 * applies the optimizer step to the row if all of the row's occurrences are in the
   block (most rows: the update is bound by the latency of its scattered reads, so rows
@@ -27,10 +27,10 @@ the gradients that timed out.
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
-    order:     int64 [N]  the sort's permutation: where each sorted key was
-    src:       int64 [N]  each (unsorted) position's gradient row (``update_keys``)
-    scale:     float32 [N]  each (unsorted) position's gradient scale (read with ``SCALED``)
-    tables:    int64 [T, TABLE_WORDS]  see ``row_step``
+    src:       int64 [N]  each sorted position's gradient row (``update_keys``, in the
+               sort's order: the update reads no permutation, one dependent load less)
+    scale:     float32 [N]  each sorted position's gradient scale (read with ``SCALED``)
+    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``update_keys``)
     grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
                owner's lookup output
     table:     float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
@@ -47,13 +47,16 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
-from torchrec_pgas.kernels.row_step import TABLE_WORDS, row_place, row_step
-from torchrec_pgas.kernels.update_keys import sentinel
+from torchrec_pgas.kernels.row_step import row_step
+from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 
 #: The elements of one program's tile (``ROWS`` positions of ``BLOCK_D``), at least
 #: ``MIN_ROWS`` positions.
-TILE = 4096
-MIN_ROWS = 16
+TILE = 1024
+MIN_ROWS = 1
+#: One warp per program: a block's rows in one warp take half the registers per row
+#: of a block spread over warps, so that more rows are in flight.
+NUM_WARPS = 1
 _OK = Status.OK.value
 
 
@@ -66,15 +69,6 @@ def dim_block(max_dim: int) -> int:
     return max(next_power_of_2(max_dim), 16)
 
 
-def num_warps(max_dim: int) -> int:
-    return min(16, max(4, block_rows(max_dim) * dim_block(max_dim) // 1024))
-
-
-@triton.jit
-def _segment_add(flag_a, a, flag_b, b):
-    return flag_a | flag_b, tl.where(flag_b != 0, b, a + b)
-
-
 @triton.jit
 def step_is_bad(record_ptr, err_ptr, num_sources, HEADER_WORDS: tl.constexpr, OK: tl.constexpr):
     """Whether the step's record or the transport's error record holds an error (int32)."""
@@ -85,13 +79,12 @@ def step_is_bad(record_ptr, err_ptr, num_sources, HEADER_WORDS: tl.constexpr, OK
     return bad
 
 
-@triton.jit(do_not_specialize=["n", "num_tables", "search_steps", "num_sources", "weight_decay_mode"])
+@triton.jit(do_not_specialize=["n", "num_sources", "weight_decay_mode"])
 def row_update_kernel(
     keys_ptr,
-    order_ptr,
     src_ptr,
     scale_ptr,
-    tables_ptr,
+    where_ptr,
     grad_ptr,
     table_ptr,
     state_ptr,
@@ -99,8 +92,6 @@ def row_update_kernel(
     record_ptr,
     err_ptr,
     n: tl.int64,
-    num_tables: tl.int64,
-    search_steps: tl.int64,
     num_sources: tl.int64,
     learning_rate: tl.float32,
     eps: tl.float32,
@@ -109,7 +100,7 @@ def row_update_kernel(
     OPTIM: tl.constexpr,
     SCALED: tl.constexpr,
     SENTINEL: tl.constexpr,
-    TABLE_WORDS: tl.constexpr,
+    WHERE_WORDS: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
     OK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -120,34 +111,43 @@ def row_update_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     p = b * ROWS + r
+    end = tl.minimum(b * ROWS + ROWS, n)
     key = tl.load(keys_ptr + p, mask=p < n, other=SENTINEL)
     before = tl.load(keys_ptr + p - 1, mask=(p > 0) & (p < n), other=SENTINEL)
-    after = tl.load(keys_ptr + p + 1, mask=p + 1 < n, other=SENTINEL)
-    valid = (key != SENTINEL) & (bad == 0)
-    # The block's first row began in an earlier block: its sum here is a partial one.
+    after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
+    # The block's first row began in an earlier block, its last goes on in the next:
+    # their sums here are partial ones.
     first = tl.load(keys_ptr + b * ROWS)
     continued = (b > 0) & (tl.load(keys_ptr + b * ROWS - 1, mask=b > 0, other=SENTINEL) == first)
+    following = tl.load(keys_ptr + end, mask=end < n, other=SENTINEL)
     began_before = continued & (key == first)
-    last_here = valid & ((key != after) | (r == ROWS - 1))
-    ends_here = key != after
-    whole = last_here & ends_here & ~began_before
+    start = (key != SENTINEL) & (bad == 0) & ((r == 0) | (key != before))
+    whole = start & ~began_before & (key != following)
 
-    row = key.to(tl.int64)
-    at, dim, state_at = row_place(tables_ptr, row, valid, num_tables, search_steps, TABLE_WORDS)
-    inside = valid[:, None] & (d[None, :] < dim[:, None])
+    at = tl.load(where_ptr + p * WHERE_WORDS, mask=start, other=0)
+    dim = tl.load(where_ptr + p * WHERE_WORDS + 1, mask=start, other=0)
+    state_at = tl.load(where_ptr + p * WHERE_WORDS + 2, mask=start, other=0)
+    inside = start[:, None] & (d[None, :] < dim[:, None])
     w_ptr = table_ptr + at[:, None] + d[None, :]
     w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
-    pos = tl.load(order_ptr + p, mask=valid, other=0)
-    src = tl.load(src_ptr + pos, mask=valid, other=0)
-    g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
-    if SCALED:
-        g = g * tl.load(scale_ptr + pos, mask=valid, other=0.0)[:, None]
-    starts = ((r == 0) | (key != before)).to(tl.int32)
-    _, sums = tl.associative_scan((tl.broadcast_to(starts[:, None], (ROWS, BLOCK_D)), g), 0, _segment_add)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    j = p
+    live = start
+    while tl.max(live.to(tl.int32), axis=0) > 0:
+        src = tl.load(src_ptr + j, mask=live, other=0)
+        g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=live[:, None] & inside, other=0.0).to(tl.float32)
+        if SCALED:
+            g = g * tl.load(scale_ptr + j, mask=live, other=0.0)[:, None]
+        acc += g
+        # (The first occurrence's successor was read with the keys: most rows stop there.)
+        j += 1
+        second = (j == p + 1) & (after == key)
+        later = tl.load(keys_ptr + j, mask=live & (j > p + 1) & (j < end), other=SENTINEL) == key
+        live = live & (j < end) & (second | later)
 
     w = row_step(
         w,
-        sums,
+        acc,
         dim,
         whole,
         state_ptr,
@@ -160,8 +160,8 @@ def row_update_kernel(
     )
     tl.store(w_ptr, w, mask=whole[:, None] & inside)
     partial_at = 2 * b + (~began_before).to(tl.int64)
-    crossing = last_here & ~whole
-    tl.store(partial_ptr + partial_at[:, None] * BLOCK_D + d[None, :], sums, mask=crossing[:, None] & inside)
+    crossing = start & ~whole
+    tl.store(partial_ptr + partial_at[:, None] * BLOCK_D + d[None, :], acc, mask=crossing[:, None] & inside)
 
 
 _launcher = Launcher(row_update_kernel)
@@ -169,10 +169,9 @@ _launcher = Launcher(row_update_kernel)
 
 def row_update(
     keys: torch.Tensor,
-    order: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
-    tables: torch.Tensor,
+    where: torch.Tensor,
     grad: torch.Tensor,
     table: torch.Tensor,
     state: torch.Tensor,
@@ -193,13 +192,11 @@ def row_update(
     if n == 0:
         return
     rows = block_rows(max_dim)
-    num_tables = tables.shape[0]
     _launcher[(cdiv(n, rows),)](
         keys,
-        order,
         src,
         scale,
-        tables,
+        where,
         grad,
         table,
         state,
@@ -207,8 +204,6 @@ def row_update(
         record,
         err,
         n,
-        num_tables,
-        max(num_tables, 1).bit_length(),
         num_sources,
         learning_rate,
         eps,
@@ -217,10 +212,10 @@ def row_update(
         OPTIM=optim,
         SCALED=scaled,
         SENTINEL=sentinel(keys.dtype),
-        TABLE_WORDS=TABLE_WORDS,
+        WHERE_WORDS=WHERE_WORDS,
         HEADER_WORDS=HEADER_WORDS,
         OK=_OK,
         ROWS=rows,
         BLOCK_D=dim_block(max_dim),
-        num_warps=num_warps(max_dim),
+        num_warps=NUM_WARPS,
     )

@@ -12,7 +12,7 @@ Nothing is updated for a bad step (see ``row_update``).
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
-    tables:    int64 [T, TABLE_WORDS]  see ``row_step``
+    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``row_update``)
     table:     float32 [...]  the group's weights, in/out
     state:     float32 [...]  the row-wise optimizer state, in/out
     partial:   float32 [2 * cdiv(N, ROWS), BLOCK_D]  the blocks' sums (``row_update``)
@@ -26,26 +26,24 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.row_step import TABLE_WORDS, row_place, row_step
+from torchrec_pgas.kernels.row_step import row_step
 from torchrec_pgas.kernels.row_update import TILE, block_rows, dim_block, step_is_bad
-from torchrec_pgas.kernels.update_keys import sentinel
+from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 
-NUM_WARPS = 4
+NUM_WARPS = 1
 _OK = Status.OK.value
 
 
-@triton.jit(do_not_specialize=["n", "num_tables", "search_steps", "num_sources", "weight_decay_mode"])
+@triton.jit(do_not_specialize=["n", "num_sources", "weight_decay_mode"])
 def run_update_kernel(
     keys_ptr,
-    tables_ptr,
+    where_ptr,
     table_ptr,
     state_ptr,
     partial_ptr,
     record_ptr,
     err_ptr,
     n: tl.int64,
-    num_tables: tl.int64,
-    search_steps: tl.int64,
     num_sources: tl.int64,
     learning_rate: tl.float32,
     eps: tl.float32,
@@ -53,7 +51,7 @@ def run_update_kernel(
     weight_decay_mode: tl.int64,
     OPTIM: tl.constexpr,
     SENTINEL: tl.constexpr,
-    TABLE_WORDS: tl.constexpr,
+    WHERE_WORDS: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
     OK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -72,8 +70,9 @@ def run_update_kernel(
     continued = (b > 0) & (tl.load(keys_ptr + first_p - 1, mask=b > 0, other=SENTINEL) == first)
     owner = (key != SENTINEL) & (following == key) & ~(continued & (key == first)) & (bad == 0)
     if tl.max(owner.to(tl.int32), axis=0) > 0:
-        row = key.to(tl.int64)
-        at, dim, state_at = row_place(tables_ptr, row, owner, num_tables, search_steps, TABLE_WORDS)
+        at = tl.load(where_ptr + (last_p + one) * WHERE_WORDS)
+        dim = tl.load(where_ptr + (last_p + one) * WHERE_WORDS + 1)
+        state_at = tl.load(where_ptr + (last_p + one) * WHERE_WORDS + 2)
         inside = owner[:, None] & (d[None, :] < dim[:, None])
         acc = tl.load(partial_ptr + (2 * b + 1) * BLOCK_D + d[None, :], mask=inside, other=0.0)
         c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
@@ -108,7 +107,7 @@ _launcher = Launcher(run_update_kernel)
 
 def run_update(
     keys: torch.Tensor,
-    tables: torch.Tensor,
+    where: torch.Tensor,
     table: torch.Tensor,
     state: torch.Tensor,
     partial: torch.Tensor,
@@ -127,18 +126,15 @@ def run_update(
     if n == 0:
         return
     rows, block_d = block_rows(max_dim), dim_block(max_dim)
-    num_tables = tables.shape[0]
     _launcher[(cdiv(n, rows),)](
         keys,
-        tables,
+        where,
         table,
         state,
         partial,
         record,
         err,
         n,
-        num_tables,
-        max(num_tables, 1).bit_length(),
         num_sources,
         learning_rate,
         eps,
@@ -146,7 +142,7 @@ def run_update(
         weight_decay_mode,
         OPTIM=optim,
         SENTINEL=sentinel(keys.dtype),
-        TABLE_WORDS=TABLE_WORDS,
+        WHERE_WORDS=WHERE_WORDS,
         HEADER_WORDS=HEADER_WORDS,
         OK=_OK,
         ROWS=rows,

@@ -16,7 +16,9 @@ and the bag's feature, and writes, per position:
   gradient's pitch plus the feature's column), so that the update reads it with one
   load;
 * with ``SCALED``, its gradient's scale: its per-sample weight (``WEIGHTED``), over its
-  bag's length for mean pooling, else 1.
+  bag's length for mean pooling, else 1;
+* where its row lies (``where``): its element offset in the weights, its dim and its
+  index in the optimizer state, so that the update finds a row with one load.
 
 Buffers:
     offsets:   int64 [bags + 1]  the group's bag offsets, feature-major, ``bags_per_feature``
@@ -24,11 +26,15 @@ Buffers:
     indices:   int64 [N]  the group's ids (only ``[0, offsets[bags])`` are read)
     weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
     features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
-               in the group's rows, its column in the gradient, mean pooling (0/1)
+               in the group's rows, its column in the gradient, mean pooling (0/1), its
+               table's offset in the weights (elements), its dim, its table's offset in
+               the optimizer state (rows)
     keys:      int32 or int64 [N]  out: each position's row key, or the sentinel
     src:       int64 [N]  out: each position's gradient row (element offset; undefined
                past the ids)
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
+    where:     int64 [N, WHERE_WORDS]  out: each position's row's weights offset, dim and
+               optimizer state index (undefined past the ids)
 """
 
 import torch
@@ -40,9 +46,12 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv
 BLOCK = 1024
 NUM_WARPS = 4
 #: ``features`` columns: the feature's table's first row in the group, its column in
-#: the gradient, mean pooling (0/1).
-FEATURE_WORDS = 3
-ROW, COL, MEAN = range(FEATURE_WORDS)
+#: the gradient, mean pooling (0/1), its table's offset in the weights, its dim, its
+#: table's offset in the optimizer state.
+FEATURE_WORDS = 6
+ROW, COL, MEAN, WEIGHTS_AT, DIM, STATE_AT = range(FEATURE_WORDS)
+#: ``where`` columns.
+WHERE_WORDS = 3
 
 
 def sentinel(dtype: torch.dtype) -> int:
@@ -64,6 +73,7 @@ def update_keys_kernel(
     keys_ptr,
     src_ptr,
     scale_ptr,
+    where_ptr,
     n: tl.int64,
     bags: tl.int64,
     bags_per_feature: tl.int64,
@@ -71,6 +81,7 @@ def update_keys_kernel(
     search_steps: tl.int64,
     SENTINEL: tl.constexpr,
     FEATURE_WORDS: tl.constexpr,
+    WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -93,6 +104,12 @@ def update_keys_kernel(
     ids = tl.load(indices_ptr + p, mask=valid, other=0)
     tl.store(keys_ptr + p, tl.where(valid, first_row + ids, SENTINEL), mask=inside)
     tl.store(src_ptr + p, (lo - f * bags_per_feature) * pitch + col, mask=inside)
+    dim = tl.load(features_ptr + f * FEATURE_WORDS + 4, mask=valid, other=0)
+    weights_at = tl.load(features_ptr + f * FEATURE_WORDS + 3, mask=valid, other=0)
+    state_at = tl.load(features_ptr + f * FEATURE_WORDS + 5, mask=valid, other=0)
+    tl.store(where_ptr + p * WHERE_WORDS, weights_at + ids * dim, mask=valid)
+    tl.store(where_ptr + p * WHERE_WORDS + 1, dim, mask=valid)
+    tl.store(where_ptr + p * WHERE_WORDS + 2, state_at + ids, mask=valid)
     if SCALED:
         scale = tl.full([BLOCK], 1.0, tl.float32)
         if WEIGHTED:
@@ -116,6 +133,7 @@ def update_keys(
     keys: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
+    where: torch.Tensor,
     bags_per_feature: int,
     pitch: int,
     scaled: bool,
@@ -133,6 +151,7 @@ def update_keys(
         keys,
         src,
         scale,
+        where,
         n,
         bags,
         bags_per_feature,
@@ -140,6 +159,7 @@ def update_keys(
         max(bags, 1).bit_length(),
         SENTINEL=sentinel(keys.dtype),
         FEATURE_WORDS=FEATURE_WORDS,
+        WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
         BLOCK=BLOCK,

@@ -31,12 +31,11 @@ from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
-from torchrec_pgas.kernels.row_step import TABLE_WORDS  # noqa: E402
 from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
-from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, update_keys_kernel  # noqa: E402
+from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, WHERE_WORDS, update_keys_kernel  # noqa: E402
 
 
 def _bitcode() -> str:
@@ -319,9 +318,17 @@ CASES = {
             "keys_ptr": "*i32",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
+            "where_ptr": "*i64",
         },
         [
-            {"SENTINEL": 2**31 - 1, "FEATURE_WORDS": FEATURE_WORDS, "SCALED": scaled, "WEIGHTED": w, "BLOCK": 1024}
+            {
+                "SENTINEL": 2**31 - 1,
+                "FEATURE_WORDS": FEATURE_WORDS,
+                "WHERE_WORDS": WHERE_WORDS,
+                "SCALED": scaled,
+                "WEIGHTED": w,
+                "BLOCK": 1024,
+            }
             for scaled, w in ((False, False), (True, False), (True, True))
         ],
     ),
@@ -329,10 +336,9 @@ CASES = {
         row_update_kernel,
         {
             "keys_ptr": "*i32",
-            "order_ptr": "*i64",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
-            "tables_ptr": "*i64",
+            "where_ptr": "*i64",
             "grad_ptr": "*fp32",
             "table_ptr": "*fp32",
             "state_ptr": "*fp32",
@@ -345,7 +351,7 @@ CASES = {
                 "OPTIM": optim,
                 "SCALED": scaled,
                 "SENTINEL": 2**31 - 1,
-                "TABLE_WORDS": TABLE_WORDS,
+                "WHERE_WORDS": WHERE_WORDS,
                 "HEADER_WORDS": 8,
                 "OK": 0,
                 "ROWS": rows,
@@ -353,14 +359,14 @@ CASES = {
             }
             for optim in (0, 1)
             for scaled in (False, True)
-            for rows, block_d in ((32, 128), (16, 1024))
+            for rows, block_d in ((8, 128), (1, 1024))
         ],
     ),
     "run_update": (
         run_update_kernel,
         {
             "keys_ptr": "*i64",
-            "tables_ptr": "*i64",
+            "where_ptr": "*i64",
             "table_ptr": "*fp32",
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
@@ -371,7 +377,7 @@ CASES = {
             {
                 "OPTIM": optim,
                 "SENTINEL": 2**63 - 1,
-                "TABLE_WORDS": TABLE_WORDS,
+                "WHERE_WORDS": WHERE_WORDS,
                 "HEADER_WORDS": 8,
                 "OK": 0,
                 "ROWS": 32,

@@ -790,8 +790,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
 
     if seed < 2:
         monkeypatch.setattr(k.row_update, "TILE", 32)
-        monkeypatch.setattr(k.row_update, "MIN_ROWS", 2)
-        monkeypatch.setattr(k.run_update, "TILE", 32)
+        monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
     dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
@@ -820,9 +819,11 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     D_off = tbe.D_offsets.tolist()
     first_row = tbe.hash_size_cumsum.tolist()
     state_at = tbe.momentum1_offsets.tolist() if adagrad else [0] * F
-    features = torch.tensor([[first_row[f], D_off[f], int(mean)] for f in range(F)], dtype=torch.int64)
-    tables = torch.tensor(
-        sorted({(first_row[f], int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], state_at[f]) for f in range(F)}),
+    features = torch.tensor(
+        [
+            [first_row[f], D_off[f], int(mean), int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], state_at[f]]
+            for f in range(F)
+        ],
         dtype=torch.int64,
     )
     n = indices.numel()
@@ -830,8 +831,13 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     src = torch.empty(n, dtype=torch.int64)
     scaled = weighted or mean
     scale = torch.empty(n) if scaled else torch.empty(1)
-    k.update_keys.update_keys(offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), scaled, weighted)
+    where = torch.empty(n, k.update_keys.WHERE_WORDS, dtype=torch.int64)
+    k.update_keys.update_keys(
+        offsets, indices, psw_in, features, keys, src, scale, where, B, grad.stride(0), scaled, weighted
+    )  # fmt: skip
     sorted_keys, order = torch.sort(keys, stable=True)
+    src, where = src[order], where[order]
+    scale = scale[order] if scaled else scale
     S = 3
     block_d = k.row_update.dim_block(max(dims))
     partial = torch.full((2 * -(-n // k.row_update.block_rows(max(dims))), block_d), float("nan"))
@@ -841,11 +847,11 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
         hyper = (0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
         k.row_update.row_update(
-            sorted_keys, order, src, scale, tables, grad, table, state, partial, record, err, S, max(dims), optim,
+            sorted_keys, src, scale, where, grad, table, state, partial, record, err, S, max(dims), optim,
             *hyper, scaled,
         )  # fmt: skip
         k.run_update.run_update(
-            sorted_keys, tables, table, state, partial, record, err, S, max(dims), optim, *hyper
+            sorted_keys, where, table, state, partial, record, err, S, max(dims), optim, *hyper
         )  # fmt: skip
         return table, state
 

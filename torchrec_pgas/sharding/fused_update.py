@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
 from torchrec_pgas.kernels.row_update import block_rows, dim_block, row_update
 from torchrec_pgas.kernels.run_update import run_update
-from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
+from torchrec_pgas.kernels.update_keys import WHERE_WORDS, key_dtype, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
 #: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
@@ -40,13 +40,12 @@ _WEIGHT_DECAY_MODES = (0, 1, 2)
 @dataclass
 class GroupUpdate:
     """What one lookup group's update reads: its FBGEMM module, per feature its
-    table's first row, gradient column and mean pooling (``features``, int64 [F, 3],
-    see ``kernels/update_keys``), per table where its rows lie (``tables``, int64
-    [T, 4], see ``kernels/row_step``), and the dtype of its rows' sort keys."""
+    table's first row, gradient column, mean pooling, weights offset, dim and
+    optimizer state offset (``features``, int64 [F, 6], see ``kernels/update_keys``),
+    and the dtype of its rows' sort keys."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
     features: torch.Tensor
-    tables: torch.Tensor
     optim: int
     max_dim: int
     keys: torch.dtype
@@ -108,17 +107,14 @@ class FusedUpdate:
             adagrad = t.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
             state = t.momentum1_offsets.tolist() if adagrad else [0] * len(at)
             mean = int(t.pooling_mode == PoolingMode.MEAN)
-            per_feature = range(len(dims) - 1)
-            features = [[first_rows[f], col + dims[f], mean] for f in per_feature]
-            # Features that share a table share its row.
-            tables = sorted({(first_rows[f], at[f], dims[f + 1] - dims[f], state[f]) for f in per_feature})
+            width = [dims[f + 1] - dims[f] for f in range(len(dims) - 1)]
+            features = [[first_rows[f], col + dims[f], mean, at[f], w, state[f]] for f, w in enumerate(width)]
             groups.append(
                 GroupUpdate(
                     tbe=t,
                     features=torch.tensor(features, dtype=torch.int64, device=self._dev),
-                    tables=torch.tensor(tables, dtype=torch.int64, device=self._dev),
                     optim=_OPTIMS[t.optimizer],
-                    max_dim=max(r[2] for r in tables),
+                    max_dim=max(width),
                     keys=key_dtype(int(t.total_hash_size)),
                     mean=bool(mean),
                 )
@@ -147,6 +143,7 @@ class FusedUpdate:
             keys = torch.empty(n, dtype=group.keys, device=indices.device)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=indices.device) if scaled else self._no_weights
+            where = torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=indices.device)
             update_keys(
                 offsets,
                 indices,
@@ -155,12 +152,17 @@ class FusedUpdate:
                 keys,
                 src,
                 scale,
+                where,
                 bags_per_feature,
                 grad.stride(0),
                 scaled,
                 self._weighted,
             )
             keys, order = torch.sort(keys, stable=True)
+            # In the sort's order, so that the update reads them without the permutation.
+            src, where = src[order], where[order]
+            if scaled:
+                scale = scale[order]
             partial = torch.empty(
                 2 * -(-n // block_rows(group.max_dim)),
                 dim_block(group.max_dim),
@@ -178,10 +180,9 @@ class FusedUpdate:
             )
             row_update(
                 keys,
-                order,
                 src,
                 scale,
-                group.tables,
+                where,
                 grad,
                 tbe.weights_dev,
                 state,
@@ -196,7 +197,7 @@ class FusedUpdate:
             )
             run_update(
                 keys,
-                group.tables,
+                where,
                 tbe.weights_dev,
                 state,
                 partial,
