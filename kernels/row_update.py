@@ -32,7 +32,8 @@ Buffers:
     scale:     float32 [N]  each sorted position's gradient scale (read with ``SCALED``)
     where:     int64 [N, WHERE_WORDS]  each sorted position's row (``update_keys``)
     grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
-               owner's lookup output
+               owner's lookup output (its rows read 4 elements at a time where ``pitch``
+               and its address allow: ``GRAD_ALIGNED``)
     table:     float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
     state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
     partial:   float32 [2 * cdiv(N, ROWS), BLOCK_D]  out: the blocks' sums of rows that
@@ -105,6 +106,7 @@ def row_update_kernel(
     OK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GRAD_ALIGNED: tl.constexpr,
 ):
     bad = step_is_bad(record_ptr, err_ptr, num_sources, HEADER_WORDS, OK)
     b = tl.program_id(0).to(tl.int64)
@@ -124,8 +126,9 @@ def row_update_kernel(
     start = (key != SENTINEL) & (bad == 0) & ((r == 0) | (key != before))
     whole = start & ~began_before & (key != following)
 
-    at = tl.load(where_ptr + p * WHERE_WORDS, mask=start, other=0)
-    dim = tl.load(where_ptr + p * WHERE_WORDS + 1, mask=start, other=0)
+    # FBGEMM's rows are multiples of 4 elements: they move 4 at a time.
+    at = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS, mask=start, other=0), 4)
+    dim = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS + 1, mask=start, other=0), 4)
     state_at = tl.load(where_ptr + p * WHERE_WORDS + 2, mask=start, other=0)
     inside = start[:, None] & (d[None, :] < dim[:, None])
     w_ptr = table_ptr + at[:, None] + d[None, :]
@@ -135,6 +138,8 @@ def row_update_kernel(
     live = start
     while tl.max(live.to(tl.int32), axis=0) > 0:
         src = tl.load(src_ptr + j, mask=live, other=0)
+        if GRAD_ALIGNED:
+            src = tl.multiple_of(src, 4)
         g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=live[:, None] & inside, other=0.0).to(tl.float32)
         if SCALED:
             g = g * tl.load(scale_ptr + j, mask=live, other=0.0)[:, None]
@@ -217,5 +222,6 @@ def row_update(
         OK=_OK,
         ROWS=rows,
         BLOCK_D=dim_block(max_dim),
+        GRAD_ALIGNED=grad.stride(0) % 4 == 0 and grad.data_ptr() % (4 * grad.element_size()) == 0,
         num_warps=NUM_WARPS,
     )

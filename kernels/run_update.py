@@ -70,8 +70,8 @@ def run_update_kernel(
     continued = (b > 0) & (tl.load(keys_ptr + first_p - 1, mask=b > 0, other=SENTINEL) == first)
     owner = (key != SENTINEL) & (following == key) & ~(continued & (key == first)) & (bad == 0)
     if tl.max(owner.to(tl.int32), axis=0) > 0:
-        at = tl.load(where_ptr + (last_p + one) * WHERE_WORDS)
-        dim = tl.load(where_ptr + (last_p + one) * WHERE_WORDS + 1)
+        at = tl.multiple_of(tl.load(where_ptr + (last_p + one) * WHERE_WORDS), 4)
+        dim = tl.multiple_of(tl.load(where_ptr + (last_p + one) * WHERE_WORDS + 1), 4)
         state_at = tl.load(where_ptr + (last_p + one) * WHERE_WORDS + 2)
         inside = owner[:, None] & (d[None, :] < dim[:, None])
         acc = tl.load(partial_ptr + (2 * b + 1) * BLOCK_D + d[None, :], mask=inside, other=0.0)

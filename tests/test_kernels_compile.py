@@ -20,7 +20,9 @@ from torchrec_pgas.kernels import (
     lookup_put,  # noqa: E402
     nvshmem_device,  # noqa: E402
     output_take,  # noqa: E402
+    row_update,  # noqa: E402
     rows_put,  # noqa: E402
+    run_update,  # noqa: E402
 )
 from torchrec_pgas.kernels.bag_offsets import bag_offsets_kernel  # noqa: E402
 from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
@@ -356,6 +358,7 @@ CASES = {
                 "OK": 0,
                 "ROWS": rows,
                 "BLOCK_D": block_d,
+                "GRAD_ALIGNED": scaled,
             }
             for optim in (0, 1)
             for scaled in (False, True)
@@ -511,6 +514,29 @@ def test_pooled_rows_move_four_elements_at_once():
     )
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert ptx.count("ld.global.b32") == 1 and "st.global.b32" not in ptx, "one scalar load: an owner's rank"
+
+
+def test_fused_update_moves_rows_four_elements_at_once():
+    """``row_update`` and ``run_update`` read and write table rows 4 fp32 at a time
+    (FBGEMM's rows are multiples of 4 elements), and ``row_update`` the gradient's rows
+    too where its pitch allows (``GRAD_ALIGNED``): a scalar access per element held twice
+    the registers per row and, with them, half the rows in flight."""
+    sixteen = [["tt.divisibility", 16]]
+    names = list(CASES["row_update"][1])
+    attrs = {(names.index(a),): sixteen for a in CASES["row_update"][1]}
+    for aligned in (True, False):
+        chosen = _variant("row_update", OPTIM=0, SCALED=aligned, ROWS=8, GRAD_ALIGNED=aligned)
+        ptx = _ptx("row_update", chosen, row_update.NUM_WARPS, attrs)
+        # Per row of the block (8 rows of 128 over 32 lanes): its weights, and with
+        # GRAD_ALIGNED its gradient, as one 16-byte access per lane.
+        assert ptx.count("ld.global.v4.b32") >= (16 if aligned else 8), aligned
+        assert ptx.count("st.global.v4.b32") >= 8 and "st.global.b32" not in ptx.replace("st.global.b32 [%rd", ""), (
+            aligned
+        )
+    names = list(CASES["run_update"][1])
+    attrs = {(names.index(a),): sixteen for a in CASES["run_update"][1]}
+    ptx = _ptx("run_update", _variant("run_update", OPTIM=0), run_update.NUM_WARPS, attrs)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
 
 
 #: The kernels that store through peer mappings, each with a ``PUT_PATH`` variant for
