@@ -15,7 +15,7 @@ from dist_utils import run_ranks, torchrun, torchrun_ok
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import torchrec_pgas.benchmark.__main__ as bench
-from torchrec_pgas.benchmark import profile, report
+from torchrec_pgas.benchmark import profile, report, workload
 from torchrec_pgas.benchmark.config import (
     CRITEO_ROWS,
     ROW_WISE_ABOVE,
@@ -375,6 +375,29 @@ def test_graphed_times_are_reported_next_to_eager_and_torchrecs(tmp_path, monkey
     assert drawn["training step graphed, pgas_table_wise"] == [2.4, 2.4]
     assert drawn["DLRM inference, pgas_row_wise"] == [2.0] and "DLRM inference graphed, pgas_row_wise" not in drawn
     assert not any("graphed" in line for line in report.markdown(rows[2:], "h").splitlines())
+
+
+def _sparse_update_reaches_the_sharding(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from torchrec_pgas.types import PgasOptions
+
+    args = bench._parse(["--sparse-update", "fbgemm"])
+    cfg = dataclasses.replace(Config(), tables=2, rows=64, batch_size=8, ranks=world_size)
+    cpu, pg = torch.device("cpu"), dist.group.WORLD
+    model = workload.build(cfg, "pgas_table_wise", cpu, pg, options=PgasOptions(sparse_update=args.sparse_update))
+    assert model.module.ebc._pgas_options.sparse_update == "fbgemm"
+    assert workload.build(cfg, "pgas_table_wise", cpu, pg).module.ebc._pgas_options == PgasOptions()
+
+
+def test_sparse_update_option_reaches_our_sharding(capsys):
+    """``--sparse-update`` (default: ``PgasOptions``') is the option our side's
+    modules are built with; other values are refused."""
+    assert bench._parse([]).sparse_update == "fused"
+    with pytest.raises(SystemExit):
+        bench._parse(["--sparse-update", "adam"])
+    assert "invalid choice: 'adam'" in capsys.readouterr().err
+    run_ranks(_sparse_update_reaches_the_sharding, 1)
 
 
 def _graphed_pair(rank: int, world_size: int, out: str) -> None:

@@ -31,12 +31,17 @@ eager steps are; the report puts them next to our eager times and TorchRec's, wi
 TorchRec's eager time over ours graphed, and the largest difference of a replay's
 outputs from the eager step's on the same batch and weights. TorchRec's sharding is
 eager only (``TORCHREC_NOT_GRAPHED`` says why).
+
+``--sparse-update fbgemm`` builds our side with FBGEMM's backward for its training steps
+(``PgasOptions.sparse_update``; one read-back per step, not capturable) instead of our
+fused update, to compare the two against TorchRec's in separate runs.
 """
 
 import argparse
 import gc
 import sys
 import time
+import typing
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +61,7 @@ from torchrec_pgas.benchmark.config import (
 )
 from torchrec_pgas.process import finish, start_rank
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.types import PgasOptions, SparseUpdate
 
 PAIRS = (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise"))
 #: The DLRM scenario's pair (small tables table-wise + big ones row-wise, one module
@@ -89,6 +95,12 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="GPUs only: also time our forward, DLRM inference and training step captured in a CUDA graph "
         "and replayed, next to the eager times (TorchRec's sharding cannot be captured)",
+    )
+    p.add_argument(
+        "--sparse-update",
+        choices=typing.get_args(SparseUpdate),
+        default=PgasOptions().sparse_update,
+        help="how our GPU training steps update the tables (PgasOptions.sparse_update)",
     )
     p.add_argument("--out", default="benchmark_results")
     args = p.parse_args(argv)
@@ -126,7 +138,8 @@ def _measure(cfg: Config, sharding: str, device: torch.device, pg, args, graphed
     kjts = workload.batches(cfg, device, 4, rank)
     dense = workload.dense_features(cfg, device, 4, rank)
     grads = [torch.randn(cfg.batch_size, len(kjts[0].keys()) * cfg.dim, device=device) for _ in kjts]
-    model = workload.build(cfg, sharding, device, pg)
+    options = PgasOptions(sparse_update=args.sparse_update)
+    model = workload.build(cfg, sharding, device, pg, options=options)
     with torch.no_grad():
         first = workload.pooled_by_table(model, kjts[0])
     forward, train_step = workload.step_fns(model)
@@ -143,7 +156,7 @@ def _measure(cfg: Config, sharding: str, device: torch.device, pg, args, graphed
         times[report.graphed("train_ms")], _ = _graphed(train_step, trains, model, device, pg, args, compare=False)
     del model, forward, train_step
     gc.collect()  # the EBC's model (and its graphs) go before the DLRM's is built
-    model = workload.build(cfg, sharding, device, pg, dlrm=True)
+    model = workload.build(cfg, sharding, device, pg, dlrm=True, options=options)
     infer, inputs = workload.dlrm_inference(model), list(zip(dense, kjts))
     times["dlrm_ms"] = _median(infer, inputs, device, pg, args)
     if graphed:

@@ -1,7 +1,7 @@
 """The models and batches a benchmark runs: the same weights and ids whatever the
 sharding, so outputs can be compared bit for bit."""
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec_pgas.benchmark.config import Config, TableSpec, table_specs
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
+from torchrec_pgas.types import PgasOptions
 
 DENSE_FEATURES = 13
 
@@ -99,17 +100,22 @@ def module_plan(
 
 
 def build(
-    cfg: Config, sharding: str, device: torch.device, pg: dist.ProcessGroup, dlrm: bool = False
+    cfg: Config,
+    sharding: str,
+    device: torch.device,
+    pg: dist.ProcessGroup,
+    dlrm: bool = False,
+    options: Optional[PgasOptions] = None,
 ) -> DistributedModelParallel:
     """An EBC (or a DLRM around it) with its tables sharded by ``sharding`` (see
     ``placement``) over ``pg``, trained by fused ``EXACT_SGD``, with weights drawn per
-    table from its seed."""
+    table from its seed; PGAS shardings take ``options``."""
     torch.manual_seed(0)  # the DLRM's dense layers: the same on every rank and sharding
     ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=torch.device("meta"))
     module: nn.Module = _Dlrm(ebc, cfg.dim, device) if dlrm else _Holder(ebc)
     path = "model.sparse_arch.embedding_bag_collection" if dlrm else "ebc"
     sharder = PgasEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}, options=options
     )
     plan = module_plan(cfg, sharding, ebc, device.type, sharder)
     dmp = DistributedModelParallel(
