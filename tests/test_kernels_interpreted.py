@@ -782,14 +782,17 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     reference of FBGEMM's GPU update and, without weight decay (which FBGEMM's CPU
     kernel ignores), FBGEMM's fused backward of exactly the batch's ids (weights and
     optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
-    empty bags; rows wide enough (``wide``) that a block takes fewer positions; and
-    (seeds 0, 1) blocks of two positions, so that most repeated rows cross blocks and
-    ``run_update`` sums them a chunk of one or two blocks at a time. A bad step's
-    record, or an error of the transport, leaves everything as it was."""
+    empty bags; rows wide enough (``wide``) that a tile takes fewer positions; blocks of
+    two (seed 0) or four positions in tiles of two (seed 1), so that most repeated rows
+    cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time;
+    int64 keys and no padding (seed 2). A bad step's record, or an error of the
+    transport, leaves weights and optimizer state as they were, and the step's verdict is
+    taken once: an error recorded after ``update_keys`` does not split the update."""
     from torchrec_pgas.kernels import row_step
 
     if seed < 2:
         monkeypatch.setattr(k.row_update, "TILE", 32)
+        monkeypatch.setattr(k.row_update, "BLOCK", 2 * (seed + 1))
         monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
     dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
@@ -814,7 +817,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     w0 = tbe.weights_host.detach().clone()
     m0 = tbe.momentum1_host.detach().clone() if adagrad else torch.empty(0)
     # Ours first, on copies, with the index tensor padded past the batch's ids.
-    pad = 9
+    pad = [9, 4, 0][seed]
     indices = torch.cat([values, torch.randint(-5, 1000, (pad,), generator=g)])
     psw_in = torch.cat([psw, torch.rand(pad, generator=g)]) if weighted else torch.empty(1)
     D_off = tbe.D_offsets.tolist()
@@ -828,32 +831,35 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         dtype=torch.int64,
     )
     n = indices.numel()
-    keys = torch.empty(n, dtype=k.update_keys.key_dtype(int(tbe.total_hash_size)))
-    src = torch.empty(n, dtype=torch.int64)
+    key_dtype = torch.int64 if seed == 2 else k.update_keys.key_dtype(int(tbe.total_hash_size))
     scaled = weighted or mean
-    scale = torch.empty(n) if scaled else torch.empty(1)
-    where = torch.empty(n, k.update_keys.WHERE_WORDS, dtype=torch.int64)
-    k.update_keys.update_keys(
-        offsets, indices, psw_in, features, keys, src, scale, where, B, grad.stride(0), scaled, weighted
-    )  # fmt: skip
-    sorted_keys, order = torch.sort(keys, stable=True)
-    src, where = src[order], where[order]
-    scale = scale[order] if scaled else scale
     S = 3
-    block_d = k.row_update.dim_block(max(dims))
-    partial = torch.full((2 * -(-n // k.row_update.block_rows(max(dims))), block_d), float("nan"))
+    no_error = torch.zeros(4, dtype=torch.int64)
 
-    def run(record, err=torch.zeros(4, dtype=torch.int64)):
+    def run(record, err=no_error, err_after_keys=None):
+        keys = torch.empty(n, dtype=key_dtype)
+        src = torch.empty(n, dtype=torch.int64)
+        scale = torch.empty(n) if scaled else torch.empty(1)
+        where = torch.empty(n, k.update_keys.WHERE_WORDS, dtype=torch.int64)
+        verdict = torch.empty(1, dtype=torch.int64)
+        err = err.clone()
+        k.update_keys.update_keys(
+            offsets, indices, psw_in, features, keys, src, scale, where, record, err, verdict, B, grad.stride(0), S,
+            scaled, weighted,
+        )  # fmt: skip
+        if err_after_keys is not None:
+            err.copy_(err_after_keys)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        src, where = src[order], where[order]
+        scale = scale[order] if scaled else scale
+        partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
         hyper = (0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
         k.row_update.row_update(
-            sorted_keys, src, scale, where, grad, table, state, partial, record, err, S, max(dims), optim,
-            *hyper, scaled,
+            sorted_keys, src, scale, where, grad, table, state, partial, verdict, max(dims), optim, *hyper, scaled
         )  # fmt: skip
-        k.run_update.run_update(
-            sorted_keys, where, table, state, partial, record, err, S, max(dims), optim, *hyper
-        )  # fmt: skip
+        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, max(dims), optim, *hyper)
         return table, state
 
     ok_record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)
@@ -861,9 +867,11 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     table, state = run(ok_record)
     bad_record = ok_record.clone()
     bad_record[HEADER_WORDS] = int(Status.ID_OUT_OF_RANGE)
-    assert torch.equal(run(bad_record)[0], w0)
     timed_out = torch.tensor([1, 0, 0, 0], dtype=torch.int64)  # a wait of the backward timed out
-    assert torch.equal(run(ok_record, timed_out)[0], w0)
+    for untouched in (run(bad_record), run(ok_record, timed_out), run(ok_record, timed_out, err_after_keys=no_error)):
+        assert torch.equal(untouched[0], w0) and (not adagrad or torch.equal(untouched[1], m0))
+    late = run(ok_record, err_after_keys=timed_out)  # recorded by another stream's wait, meanwhile
+    assert torch.equal(late[0], table) and (not adagrad or torch.equal(late[1], state))
 
     # The float64 reference: per row, the batch-order sum of its occurrences' gradients.
     ref_w, ref_m = w0.double().clone(), m0.double().clone()

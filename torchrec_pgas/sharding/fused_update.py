@@ -28,7 +28,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBat
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
-from torchrec_pgas.kernels.row_update import block_rows, dim_block, row_update
+from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, key_dtype, update_keys
 
@@ -84,7 +84,7 @@ class FusedUpdate:
     def __init__(self, enabled: bool, weighted: bool, device: torch.device) -> None:
         self.enabled = enabled
         self._weighted, self._dev = weighted, device
-        self._key: tuple = ()
+        self._tbes: List[Any] = []
         self._groups: List[GroupUpdate] = []
         self._no_weights = torch.empty(1, dtype=torch.float32, device=device)
 
@@ -94,8 +94,7 @@ class FusedUpdate:
         if not self.enabled:
             return None
         tbes = [getattr(m, "emb_module", None) for m in emb_modules]
-        key = tuple(id(t) for t in tbes)
-        if key == self._key:
+        if len(tbes) == len(self._tbes) and all(t is u for t, u in zip(tbes, self._tbes)):
             return self._groups
         if not all(_qualifies(t, self._weighted) for t in tbes):
             self.enabled = False
@@ -120,7 +119,7 @@ class FusedUpdate:
                 )
             )
             col += dims[-1]
-        self._key, self._groups = key, groups
+        self._tbes, self._groups = tbes, groups
         return groups
 
     def apply(
@@ -137,13 +136,16 @@ class FusedUpdate:
         ids (index tensors of fixed capacity), ``grad`` the gradient of the owner's
         lookup output ``[bags_per_feature, dims]``, ``record`` the step's record and
         ``err`` the transport's error record."""
+        if grad.stride(1) != 1 or (grad.shape[0] > 1 and grad.stride(0) < grad.shape[1]):
+            grad = grad.contiguous()  # the kernels read rows of contiguous elements
         for group, kjt in zip(groups, kjts):
             tbe, indices, offsets = group.tbe, kjt.values(), kjt.offsets()
-            n, scaled = indices.numel(), self._weighted or group.mean
-            keys = torch.empty(n, dtype=group.keys, device=indices.device)
+            n, scaled, dev = indices.numel(), self._weighted or group.mean, indices.device
+            keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
-            scale = torch.empty(n, dtype=torch.float32, device=indices.device) if scaled else self._no_weights
-            where = torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=indices.device)
+            scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
+            where = torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=dev)
+            verdict = torch.empty(1, dtype=torch.int64, device=dev)
             update_keys(
                 offsets,
                 indices,
@@ -153,8 +155,12 @@ class FusedUpdate:
                 src,
                 scale,
                 where,
+                record,
+                err,
+                verdict,
                 bags_per_feature,
                 grad.stride(0),
+                num_sources,
                 scaled,
                 self._weighted,
             )
@@ -163,12 +169,7 @@ class FusedUpdate:
             src, where = src[order], where[order]
             if scaled:
                 scale = scale[order]
-            partial = torch.empty(
-                2 * -(-n // block_rows(group.max_dim)),
-                dim_block(group.max_dim),
-                dtype=torch.float32,
-                device=indices.device,
-            )
+            partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=dev)
             args = tbe.optimizer_args
             adagrad = group.optim == ROWWISE_ADAGRAD
             state = tbe.momentum1_dev if adagrad else self._no_weights
@@ -187,9 +188,7 @@ class FusedUpdate:
                 tbe.weights_dev,
                 state,
                 partial,
-                record,
-                err,
-                num_sources,
+                verdict,
                 group.max_dim,
                 group.optim,
                 *hyper,
@@ -201,9 +200,7 @@ class FusedUpdate:
                 tbe.weights_dev,
                 state,
                 partial,
-                record,
-                err,
-                num_sources,
+                verdict,
                 group.max_dim,
                 group.optim,
                 *hyper,
