@@ -358,3 +358,56 @@ def test_output_rows_of_a_bad_batch_are_its_own_size_within_capacity():
     assert _output_rows(kjt, 0, bad=True, capacity=2) == 0  # over capacity: nothing to write
     broken = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
     assert _output_rows(broken, 0, bad=True, capacity=128) in (0, 1)  # a size, never an error
+
+
+def _records_between_steps(rank, world_size):
+    """What the ring of step records holds is raised by ``raise_errors`` once the device
+    wrote it (here: this test), oldest first: records of good steps pass (and leave no
+    cause behind), a step a source reported a bad batch of raises on every rank naming
+    the source, feature and id, and a wait that timed out raises as such."""
+    from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, Status
+    from torchrec_pgas.sharding.tw_base import PgasInputError
+    from torchrec_pgas.transport import PgasTimeoutError
+
+    _fake_nvshmem(rank, unmapped=[])
+    exchange = _exchange(_transport("auto"), world_size, [8] * world_size)
+    records = exchange._errors
+    at = exchange._err_at
+
+    def write(step, headers, err=(0, 0, 0, 0)):
+        """The device's copy of output step ``step``'s record into the ring."""
+        words = torch.zeros(records.ring.size(1), dtype=torch.int64)
+        for s, h in enumerate(headers):
+            words[s * HEADER_WORDS : (s + 1) * HEADER_WORDS] = h.encode()
+        words[at : at + 4] = torch.tensor(err)
+        words[at + 4] = step  # the ids step
+        words[-1] = step
+        records.ring[step % records.ring.size(0)] = words
+
+    good = [Header(Status.OK, 5, 9, False, ())] * world_size
+    bad = list(good)
+    bad[world_size - 1] = Header(Status.ID_OUT_OF_RANGE, 5, 9, False, (1, 77, 10))
+    exchange._out_step = 3
+    write(1, good)
+    exchange._failure_cause = RuntimeError("from an earlier send")
+    exchange.raise_errors()  # step 1 is good; steps 2 and 3 are not written yet
+    assert records.checked == 1 and exchange._failure_cause is None
+    write(3, good)
+    exchange.raise_errors()  # step 3 waits behind step 2
+    assert records.checked == 1
+    write(2, bad)
+    with pytest.raises(PgasInputError) as info:
+        exchange.raise_errors()
+    message = str(info.value)
+    assert f"step 2: rank {world_size - 1} sent id 77 for feature 'f1' of table 't1'" in message, message
+    assert records.checked == 3
+    exchange.raise_errors()  # raised once
+    exchange._out_step = 4
+    write(4, good, err=(1, 0, 1, 4))
+    with pytest.raises(PgasTimeoutError):
+        exchange.raise_errors()
+    exchange.close()
+
+
+def test_step_records_raise_bad_steps_and_pass_good_ones():
+    run_ranks(_records_between_steps, 2)

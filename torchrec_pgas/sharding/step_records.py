@@ -40,12 +40,16 @@ class StepRecords:
         # int64 [entries, record_words + 1]: per entry a record, then its output step.
         pinned = device.type == "cuda"
         self.ring = torch.zeros(entries, record_words + 1, dtype=torch.int64, pin_memory=pinned)
+        # The host reads the ring through numpy, which shares its memory: a read is a
+        # load, not a tensor operation.
+        self._host = self.ring.numpy()
+        self._entries = entries
         self.checked = 0
 
     def make_room(self, step: int) -> List[Record]:
         """Before output step ``step`` is enqueued: the record of the step whose entry it
         reuses, if still unread, and those before it (waiting for the device)."""
-        entries = self.ring.size(0)
+        entries = self._entries
         return self.finished(step - entries, wait=True) if step - entries > self.checked else []
 
     def finished(self, upto: int, wait: bool) -> List[Record]:
@@ -55,7 +59,7 @@ class StepRecords:
         records: List[Record] = []
         while self.checked < upto:
             step = self.checked + 1
-            entry = self.ring[step % self.ring.size(0)]
+            entry = self._host[step % self._entries]
             if int(entry[-1]) != step:
                 if not wait:
                     break

@@ -137,6 +137,9 @@ class DeviceTwSetup(BaseTwExchange):
         err = words[self._err_at : self._err_at + 4]
         if err[0]:  # the error record's code word
             raise self._t.timeout_error(err, self._name)
+        if not any(words[0 : self._err_at : n]):  # every source's status is OK (0)
+            self._failure_cause = None  # as ``_raise_for_bad_headers`` leaves it
+            return
         headers = [Header.decode(words[n * s : n * s + n]) for s in range(self._t.world_size)]
         # The ids step, as the host exchange names it: output steps skip dropped ones.
         step = words[self._err_at + RECORD_STEP]
