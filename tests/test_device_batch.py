@@ -48,3 +48,19 @@ def test_a_message_overwritten_before_it_is_read_is_not_shown():
     slots, headers = _step(layout, "rank 1 could not send its batch: RuntimeError: boom", 1)
     slots[1, : layout.lengths_offset].view(torch.int64)[:] = Header(Status.OK, 2, 2, False, ()).encode()
     assert failure_texts(headers, slots.view(-1), layout) == ["", device_batch._OVERWRITTEN]
+
+
+def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
+    """A send's narrowed lengths (``StreamScratch.narrowed``): the stream's tensor,
+    the same for every batch that fits the capacity, another stream's apart."""
+    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    runs = torch.zeros(2, 1, 3, dtype=torch.int64)
+    scratch = device_batch.StreamScratch(runs, 3, layout, 2, torch.device("cpu"), input_features=3)
+    a = scratch.narrowed(7, 12)
+    assert a.shape == (12,) and a.dtype == torch.int32
+    assert scratch.narrowed(7, 12) is a
+    b = scratch.narrowed(7, 3 * layout.batch_capacity)
+    assert b.data_ptr() == a.data_ptr(), "a batch within capacity: the same tensor"
+    assert scratch.narrowed(8, 12).data_ptr() != a.data_ptr(), "another stream"
+    big = scratch.narrowed(7, 3 * layout.batch_capacity + 1)  # over capacity (its step raises)
+    assert big.numel() == 3 * layout.batch_capacity + 1

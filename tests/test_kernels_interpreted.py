@@ -907,3 +907,78 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         torch.testing.assert_close(table, tbe.weights_host.detach(), rtol=1e-6, atol=1e-6)
         if adagrad:
             torch.testing.assert_close(state, tbe.momentum1_host.detach(), rtol=1e-6, atol=1e-6)
+
+
+def _as_on_gpu(tbe):
+    """``tbe`` (FBGEMM's CPU module) with its weights and row-wise state where a GPU
+    module keeps them (``weights_dev``, ``momentum1_dev``), which is what the fused
+    update reads."""
+    with torch.no_grad():
+        tbe.weights_dev = torch.nn.Parameter(tbe.weights_host.detach().clone())
+        tbe.weights_host = torch.nn.Parameter(torch.empty(0))
+        if tbe.optimizer.name == "EXACT_ROWWISE_ADAGRAD":
+            tbe.momentum1_dev = torch.nn.Parameter(tbe.momentum1_host.detach().clone(), requires_grad=False)
+            tbe.momentum1_host = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return tbe
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
+    """``FusedUpdate`` as the owner runs it: two lookup groups (``EXACT_SGD`` over two
+    tables, ``EXACT_ROWWISE_ADAGRAD`` over one) read their columns of one gradient
+    (the second group's after the first's), from index tensors of fixed capacity padded
+    past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
+    batch's ids (1e-6), and a bad step's record updates neither."""
+    import copy
+    from types import SimpleNamespace
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_pgas.sharding.fused_update import FusedUpdate
+
+    specs = [("EXACT_SGD", [8, 16], [0, 1]), ("EXACT_ROWWISE_ADAGRAD", [4], [0])]
+    refs = [
+        _fbgemm_cpu_tbe(opt, dims, table_of, False, 0, seed + i)[0] for i, (opt, dims, table_of) in enumerate(specs)
+    ]
+    g = torch.Generator().manual_seed(40 + seed)
+    B, S = 6, 2
+    batches = []
+    for ref in refs:
+        F = len(ref.D_offsets) - 1
+        lengths = torch.randint(0, 5, (F * B,), generator=g)
+        lengths[torch.rand(F * B, generator=g) < 0.3] = 0
+        rows = [ref.embedding_specs[t][0] for t in ref.feature_table_map]
+        values = torch.cat(
+            [torch.randint(0, rows[f], (int(lengths[f * B : (f + 1) * B].sum()),), generator=g) for f in range(F)]
+        )
+        values[torch.rand(values.numel(), generator=g) < 0.3] = 1  # a hot row per table
+        padded = torch.cat([values, torch.randint(0, 3, (7,), generator=g)])
+        batches.append((values, _offsets(lengths), padded))
+    widths = [int(ref.D_offsets[-1]) for ref in refs]
+    grad = torch.randn(B, sum(widths), generator=g)
+    ours = [_as_on_gpu(copy.deepcopy(ref)) for ref in refs]
+    update = FusedUpdate(enabled=True, weighted=False, device=torch.device("cpu"))
+    groups = update.groups([SimpleNamespace(emb_module=t) for t in ours])
+    assert groups is not None and update.groups([SimpleNamespace(emb_module=t) for t in ours]) is groups
+    kjts = [
+        KeyedJaggedTensor(keys=[f"f{f}" for f in range(len(o) - 1)], values=padded, offsets=o)
+        for (_, o, padded) in batches
+    ]
+    record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)
+    record[: S * HEADER_WORDS : HEADER_WORDS] = int(Status.OK)
+    err = torch.zeros(4, dtype=torch.int64)
+    bad = record.clone()
+    bad[0] = int(Status.OVER_CAPACITY)
+    before = [t.weights_dev.clone() for t in ours]
+    update.apply(groups, kjts, grad, bad, err, B, S)
+    assert all(torch.equal(t.weights_dev, w) for t, w in zip(ours, before))
+    update.apply(groups, kjts, grad, record, err, B, S)
+    col = 0
+    for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
+        ref(values, offsets).backward(grad[:, col : col + width])
+        col += width
+        assert not torch.equal(mine.weights_dev, w0)
+        torch.testing.assert_close(mine.weights_dev, ref.weights_host.detach(), rtol=1e-6, atol=1e-6)
+        if ref.optimizer.name == "EXACT_ROWWISE_ADAGRAD":
+            torch.testing.assert_close(mine.momentum1_dev, ref.momentum1_host.detach(), rtol=1e-6, atol=1e-6)

@@ -3,7 +3,7 @@ a step's output and gradient exchanges need, and what builds them from the ids s
 (``LookupGroups``, ``FusedTables``, ``StreamScratch``)."""
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -105,9 +105,12 @@ def send_input(
     weighted: bool,
     routing: IdsRouting,
     device: torch.device,
+    narrowed_out: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> SendInput:
     """``kjt`` for a send: ``host_problem`` is what the host sees wrong with it
-    (``BaseTwExchange._host_problem``), ``routing`` routes its ids to their owners."""
+    (``BaseTwExchange._host_problem``), ``routing`` routes its ids to their owners.
+    ``narrowed_out(n)``: the int32 ``[n]`` tensor ``ids_check`` narrows wider lengths
+    into (default: a new one)."""
     batch = kjt.stride()
     values, weights = kjt.values(), kjt.weights_or_none()
     problem: Optional[Tuple[Status, Tuple[int, ...]]] = None
@@ -127,7 +130,9 @@ def send_input(
     narrowed = None
     if lengths.dtype != torch.int32:
         if problem is None:
-            lengths = narrowed = torch.empty(lengths.numel(), dtype=torch.int32, device=device)
+            n = lengths.numel()
+            narrowed = narrowed_out(n) if narrowed_out is not None else None
+            lengths = narrowed = narrowed if narrowed is not None else torch.empty(n, dtype=torch.int32, device=device)
         else:
             lengths = lengths.to(torch.int32)
     if problem is None:
@@ -174,13 +179,26 @@ class StreamScratch:
     """Device scratch of sends and receives, one per stream: each send's (receive's)
     kernels are done with it before the next one's on the stream start (one
     allocation per stream, not per step; steps may come from several streams, such as
-    a training and an evaluation pipeline). ``runs``: ``feature_runs``' table."""
+    a training and an evaluation pipeline). ``runs``: ``feature_runs``' table;
+    ``input_features``: the features of the batches sent."""
 
-    def __init__(self, runs: torch.Tensor, features: int, layout: IdsSlotLayout, world: int, device: torch.device):
+    def __init__(
+        self,
+        runs: torch.Tensor,
+        features: int,
+        layout: IdsSlotLayout,
+        world: int,
+        device: torch.device,
+        input_features: int = 1,
+    ):
         self._runs, self._features, self._layout = runs, features, layout
         self._world, self._dev = world, device
+        # The lengths of a batch of ``input_features`` features within capacity.
+        self._lengths = input_features * layout.batch_capacity
         self._sends: Dict[int, SendScratch] = {}
         self._scans: Dict[int, torch.Tensor] = {}
+        # Per stream: its narrowed lengths' tensor, and its last view.
+        self._narrowed: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def send(self, stream: int) -> SendScratch:
         """The stream's buffers for a send. The ``ids_header`` of the stream's last
@@ -194,6 +212,19 @@ class StreamScratch:
                 chunks=torch.empty(world, chunks, 3, dtype=torch.int64, device=self._dev),
             )
         return scratch
+
+    def narrowed(self, stream: int, n: int) -> torch.Tensor:
+        """int32 ``[n]``: the stream's tensor a send's ``ids_check`` narrows wider
+        lengths into (``send_input``), read by that send's puts, which are done before
+        the stream's next send starts."""
+        whole, view = self._narrowed.get(stream, (None, None))
+        if view is not None and view.numel() == n:
+            return view
+        if whole is None or whole.numel() < n:
+            whole = torch.empty(max(n, self._lengths), dtype=torch.int32, device=self._dev)
+        view = whole[:n]
+        self._narrowed[stream] = (whole, view)
+        return view
 
     def scan(self, stream: int) -> torch.Tensor:
         """The stream's ``bag_offsets`` scan state."""

@@ -53,6 +53,7 @@ and releases, and ``close``); the lookup batch and the step's route are in
 constructor (``device_routing.py``).
 """
 
+import functools
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -70,7 +71,7 @@ from torchrec_pgas.kernels.lookup_put import lookup_put
 from torchrec_pgas.kernels.output_take import RECORD_WORDS, output_take
 from torchrec_pgas.kernels.put_signal import put_signal
 from torchrec_pgas.kernels.rows_put import programs_per_requester, rows_put
-from torchrec_pgas.kernels.step_clock import GRAD, OUT, RECORD_STEP, RECV, SEND, StepRef
+from torchrec_pgas.kernels.step_clock import GRAD, RECORD_STEP, StepRef
 from torchrec_pgas.sharding.device_batch import (
     DeviceRoute,
     LookupBatch,
@@ -98,7 +99,10 @@ class DeviceTwExchange(DeviceTwSetup):
         """Puts this rank's ids for the next step into every owner's slot; returns the
         step. What may fail on this rank alone comes before the step is counted."""
         self._t.check_alive(self._name)
-        x = send_input(kjt, self._host_problem(kjt), self._weighted, self._routing, self._dev)
+        stream = driver.active.get_current_stream(self._dev.index)
+        # The stream's narrowed lengths, once the scratch is there (after the first send).
+        narrowed = functools.partial(self._scratch.narrowed, stream) if self._layout is not None else None
+        x = send_input(kjt, self._host_problem(kjt), self._weighted, self._routing, self._dev, narrowed)
         if self._layout is None:
             self._allocate_once(x.batch, x.offsets)
         buffers, layout = self._buffers, self._layout
@@ -108,7 +112,7 @@ class DeviceTwExchange(DeviceTwSetup):
         if buffers.held is not None and self._send_step + 1 - buffers.held >= DEFAULT_DEPTH:
             buffers.release_held()
         self._make_room()
-        verdict, headers, chunks = self._scratch.send(driver.active.get_current_stream(self._dev.index))
+        verdict, headers, chunks = self._scratch.send(stream)
         text = None
         if x.problem is not None and x.problem[0] == Status.FAILED:
             text = self._failure_text(layout).to(self._dev)
@@ -130,7 +134,7 @@ class DeviceTwExchange(DeviceTwSetup):
             x.batch,
             x.problem,
             layout,
-            buffers.clock[SEND : SEND + 1],
+            self._clock_send,
             self._me,
             buffers.depth,
             checked=x.checked[:2],
@@ -146,7 +150,7 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.ids_free,
             buffers.err,
             self._me,
-            step_clock.at(buffers.clock, SEND),
+            self._sent_step,
             buffers.depth,
             self._t.timeout_ns,
         )
@@ -177,7 +181,7 @@ class DeviceTwExchange(DeviceTwSetup):
             layout,
             record,
             self._scratch.scan(stream),
-            buffers.clock[RECV : RECV + 1],
+            self._clock_recv,
             buffers.ids_ready,
             buffers.err,
             self._t.timeout_ns,
@@ -250,7 +254,7 @@ class DeviceTwExchange(DeviceTwSetup):
         lookup_put(
             buffers.ids,
             lookup.ids_step,
-            buffers.clock[OUT : OUT + 1],
+            self._clock_out,
             lookup.offsets,
             tables,
             emb_modules[0].emb_module.weights_dev,
@@ -298,14 +302,15 @@ class DeviceTwExchange(DeviceTwSetup):
         if not route.ids_step:  # else ``lookup_put`` put the rows (and counted the step)
             self._out_step += 1
             if self._dims[me] > 0:
+                embs = local_embs.detach() if local_embs.requires_grad else local_embs
                 rows_put(
-                    local_embs.detach().to(self._out_dtype).contiguous(),
+                    embs.to(self._out_dtype).contiguous(),
                     route.record[1 : self._err_at : HEADER_WORDS],
                     self._out_addrs,
                     self._peers.my_counts,
                     buffers.out_free,
                     buffers.err,
-                    buffers.clock[OUT : OUT + 1],
+                    self._clock_out,
                     layout.batch_capacity,
                     out.dim,
                     out.col_offsets[me],

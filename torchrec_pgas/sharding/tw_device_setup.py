@@ -15,7 +15,7 @@ from torchrec_pgas.kernels.ids_header import feature_runs
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.kernels.lookup_put import done_counters
 from torchrec_pgas.kernels.output_take import RECORD_WORDS
-from torchrec_pgas.kernels.step_clock import RECORD_STEP
+from torchrec_pgas.kernels.step_clock import OUT, RECORD_STEP, RECV, SEND, StepRef
 from torchrec_pgas.sharding.device_batch import DeviceRoute, FusedTables, LookupGroups, StreamScratch, failure_texts
 from torchrec_pgas.sharding.device_routing import (
     IdsRouting,
@@ -94,12 +94,18 @@ class DeviceTwSetup(BaseTwExchange):
         )
         self._buffers = buffers = DeviceBuffers(t, sizes)
         buffers.free_when_collected(self)  # the model may go without closing us
+        # The clock's words the step's launches are given (views made once: each view
+        # is a host step).
+        self._clock_send = buffers.clock[SEND : SEND + 1]
+        self._sent_step = StepRef(self._clock_send)
+        self._clock_recv = buffers.clock[RECV : RECV + 1]
+        self._clock_out = buffers.clock[OUT : OUT + 1]
         self._peers = PeerTables(buffers, out, self._owners_with_tables, self._dims, me, self._elem)
         # Every generation's table: the kernels pick the step's on the device.
         self._out_addrs = torch.stack(self._peers.out_addrs)
         self._done = done_counters(world, layout, self._dev)
         features = self._features_per_rank[me]
-        self._scratch = StreamScratch(self._runs, len(features), layout, world, self._dev)
+        self._scratch = StreamScratch(self._runs, len(features), layout, world, self._dev, len(self._input_features))
         self._groups = LookupGroups(
             features, self._group_sizes, self._weighted, self._exact_always, layout, world, self._dev
         )
