@@ -50,6 +50,51 @@ def test_a_message_overwritten_before_it_is_read_is_not_shown():
     assert failure_texts(headers, slots.view(-1), layout) == ["", device_batch._OVERWRITTEN]
 
 
+def _gather_oracle(ids, step, world, offsets, indices, weights, first, size, layout, weighted):
+    """``gather_ids`` on CPU: the group's ids of every bag, in bag order (here from
+    ``ids``, the step's ids laid out as the slots' would be gathered), and weights."""
+    bags = world * layout.batch_capacity
+    lo, hi = int(offsets[first * bags]), int(offsets[(first + size) * bags])
+    indices[: hi - lo] = ids[lo:hi]
+    if weighted:
+        weights[: hi - lo] = ids[lo:hi].float() / 2
+
+
+def test_lookup_groups_as_tensors_hold_the_kjts_ids_in_each_streams_own_tensors(monkeypatch):
+    """``LookupGroups.tensors`` (the quantized module's groups) gives each group's ids,
+    offsets and weights as ``kjts`` does, in index tensors of the slots' capacity that
+    are the stream's own, the same at every step; unweighted groups have no weights."""
+    from torchrec_pgas.sharding.tw_base import TwFeature
+
+    monkeypatch.setattr(device_batch, "gather_ids", _gather_oracle)
+    world, features = 2, [TwFeature(f"f{i}", f"t{i}", 100) for i in range(3)]
+    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    bags = world * layout.batch_capacity
+    g = torch.Generator().manual_seed(3)
+    for weighted in (False, True):
+        groups = device_batch.LookupGroups(features, [2, 1], weighted, False, layout, world, torch.device("cpu"))
+        seen = {}
+        for step in range(3):
+            lengths = torch.randint(0, 3, (3 * bags,), generator=g)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            ids = torch.randint(0, 100, (int(offsets[-1]),), generator=g)
+            kjts = groups.kjts(ids, torch.tensor([step]), offsets, exact=False)
+            for stream in (1, 2):
+                tensors = groups.tensors(ids, torch.tensor([step]), offsets, stream)
+                assert len(tensors) == len(kjts) == 2
+                for kjt, group in zip(kjts, tensors):
+                    n = int(kjt.offsets()[-1])
+                    assert group.values().numel() == kjt.values().numel() == world * layout.ids_capacity
+                    assert torch.equal(group.values()[:n], kjt.values()[:n])
+                    assert torch.equal(group.offsets(), kjt.offsets())
+                    assert (group.weights_or_none() is None) == (kjt.weights_or_none() is None) == (not weighted)
+                    if weighted:
+                        assert torch.equal(group.weights()[:n], kjt.weights()[:n])
+                ptrs = [group.values().data_ptr() for group in tensors]
+                assert seen.setdefault(stream, ptrs) == ptrs, "the stream's own tensors at every step"
+        assert set(seen[1]).isdisjoint(seen[2]), "each stream has its own"
+
+
 def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     """A send's narrowed lengths (``StreamScratch.narrowed``): the stream's tensor,
     the same for every batch that fits the capacity, another stream's apart."""

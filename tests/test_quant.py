@@ -387,17 +387,20 @@ def test_planner_constraints_place_row_wise(world_size, dtype, weighted):
 # The GPU path's pieces that run on the CPU too (tests/test_gpu_quant.py runs the rest).
 
 
+@pytest.mark.parametrize("as_tensors", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
-def test_pooling_of_fixed_shape_lookup_groups(direct):
+def test_pooling_of_fixed_shape_lookup_groups(direct, as_tensors):
     """``_pool_groups`` on lookup groups laid out as the GPU exchange lays them (bag
     ``(feature, source, sample)`` of ``world * capacity`` per feature, bags past a
     source's batch empty) gives, row ``source * capacity + sample``, the unsharded
     module's output of that source's batch, bit for bit; a weighted module with sum
     and mean tables (two FBGEMM modules, two lookup groups). ``direct``: through
     ``_NBitLookup``s of FBGEMM modules without a bounds check, as on GPUs (each calls
-    FBGEMM's operator itself). On GPUs the index tensors are longer than the bags,
-    which FBGEMM's CPU kernel refuses: test_gpu_quant.py."""
+    FBGEMM's operator itself). ``as_tensors``: the groups as the GPU exchange hands
+    them to the quantized module (``GroupIds``), not KJTs. On GPUs the index tensors
+    are longer than the bags, which FBGEMM's CPU kernel refuses: test_gpu_quant.py."""
     from torchrec_pgas.quant.sharded import _group_sizes, _lookup_order, _NBitLookup, _pool_groups
+    from torchrec_pgas.sharding.device_batch import GroupIds
 
     tables = make_tables(2, 61, PoolingType.MEAN) + make_tables(3, 62, PoolingType.SUM)
     for i, t in enumerate(tables):
@@ -435,6 +438,8 @@ def test_pooling_of_fixed_shape_lookup_groups(direct):
                 stride=world * cap,
             )
         )
+    if as_tensors:
+        groups = [GroupIds(kjt.values(), kjt.offsets(), kjt.weights()) for kjt in groups]
     pooled = _pool_groups(module, groups, weighted=True, lookups=lookups)
     assert pooled.shape == (world * cap, sum(t.embedding_dim for t in tables))
     if direct:

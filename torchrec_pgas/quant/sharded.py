@@ -17,8 +17,8 @@ unsharded ones up to fp32 rounding (other order of additions), not bit for bit.
 
 A module on a GPU is served one process per GPU by the float path's GPU exchanges
 (``DeviceTwExchange``, ``DeviceRwExchange``: NVSHMEM puts from Triton kernels). The
-owner receives its lookup groups as fixed-shape KJTs (``world * batch_capacity`` bags
-per feature, those past a source's batch empty) and pools them with the same FBGEMM
+owner receives its lookup groups as fixed-shape tensors (``world * batch_capacity``
+bags per feature, those past a source's batch empty; ``GroupIds``) and pools them with the same FBGEMM
 modules, called directly: TorchRec's quantized forward would split the KJT by reading
 its lengths back to the host, which a step on GPUs never does (so it can be captured
 in a CUDA graph, ``torchrec_pgas.graphs.capture``). Each bag is still pooled by the
@@ -292,12 +292,12 @@ def _nbit_args(tbe: nn.Module) -> Optional[Dict[str, Any]]:
 
 def _pool_groups(
     local: QuantEmbeddingBagCollection,
-    groups: Sequence[KeyedJaggedTensor],
+    groups: Sequence[Any],
     weighted: bool,
     lookups: Optional[Sequence[_NBitLookup]] = None,
 ) -> torch.Tensor:
     """The pooled rows of the GPU exchange's lookup groups (one per FBGEMM module of
-    ``local``, in its order), side by side: ``local``'s forward without its split of
+    ``local``, in its order; KJTs or ``GroupIds``), side by side: ``local``'s forward without its split of
     the batch by feature, which reads the lengths back to the host. ``lookups``:
     ``local``'s modules as ``_NBitLookup``s (default: called as modules).
 
@@ -462,7 +462,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
     ) -> TwExchange:
         """``host_type`` (``TwExchange``, ``RwExchange``) of ``args`` on the host
         transport, its GPU counterpart on NVSHMEM's. The GPU one hands the owner its
-        lookup groups' KJTs (``fused_lookup=False``: its own pooling kernel reads
+        lookup groups' tensors (``fused_lookup=False``: its own pooling kernel reads
         float rows, not quantized ones), whose index tensors FBGEMM reads only as far
         as the bags go (``_local_module`` turns its bounds check off)."""
         if self._device.type != "cuda":
@@ -477,6 +477,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             weighted=self._is_weighted,
             lookup_reads_only_bags=True,
             fused_lookup=False,
+            group_tensors=True,  # ``_pool`` calls FBGEMM itself, right after the receive
             **args,
         )
 

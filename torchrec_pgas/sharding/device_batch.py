@@ -65,7 +65,7 @@ class LookupBatch:
     the exchange's ``lookup_put`` reads (once): it then pools the bags straight from
     the slots and puts the rows, or fills the groups for TorchRec's lookup."""
 
-    groups: List[KeyedJaggedTensor]
+    groups: List[Any]  # KeyedJaggedTensors, or GroupIds (``LookupGroups.tensors``)
     route: DeviceRoute
     bags_per_feature: int
     from_slots: Optional[SlotsLookup] = None
@@ -78,8 +78,8 @@ class LookupBatch:
         return self.bags_per_feature
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
-        for kjt in self.groups:
-            kjt.record_stream(stream)
+        for group in self.groups:
+            group.record_stream(stream)
         self.route.record.record_stream(stream)
         if self.route.divisor is not None:  # row-wise mean: divides the output on that stream
             self.route.divisor.record_stream(stream)
@@ -234,8 +234,39 @@ class StreamScratch:
         return scan
 
 
+class GroupIds:
+    """One lookup group of a step as the tensors FBGEMM's lookup takes, read as a KJT's
+    (``values``, ``offsets``, ``weights``): for an owner that calls FBGEMM's operator
+    itself (the quantized module), without a KJT built per group and step."""
+
+    __slots__ = ("_values", "_offsets", "_weights")
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
+        self._values, self._offsets, self._weights = values, offsets, weights
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def weights(self) -> torch.Tensor:
+        assert self._weights is not None, "an unweighted lookup group has no weights"
+        return self._weights
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for t in (self._values, self._offsets, self._weights):
+            if t is not None:
+                t.record_stream(stream)
+
+
 class LookupGroups:
-    """Lays a step's ids out as the owner's lookup groups' KJTs (``gather_ids``).
+    """Lays a step's ids out as the owner's lookup groups (``gather_ids``): KJTs for
+    TorchRec's lookup (``kjts``), or tensors for an owner that calls FBGEMM itself
+    (``tensors``).
 
     Args:
         features: the owner's features, in lookup order.
@@ -264,6 +295,11 @@ class LookupGroups:
         rows = layout.batch_capacity
         self._bags = [f * world * rows for f in self._first + [len(self._features)]]
         self._bags_dev = torch.tensor(self._bags, dtype=torch.int64, device=device)
+        self._keys = [[x.name for x in self._features[f : f + n]] for f, n in zip(self._first, self._sizes)]
+        # What an unweighted gather is given for the weights it does not write.
+        self._no_weights = torch.empty(1, dtype=torch.float32, device=device)
+        # ``tensors``' index (and weights) tensors of the slots' capacity, per stream.
+        self._reused: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def kjts(
         self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, exact: bool, for_update: bool = False
@@ -275,28 +311,52 @@ class LookupGroups:
         the slots' capacity, which FBGEMM's lookup reads only as far as the offsets
         say unless it reads past the bags (then always exact), and the fused update
         (``for_update``) never does."""
-        layout, world, bags = self._layout, self._world, self._bags
         exact = exact or (self._exact_always and not for_update)
+        stride = self._world * self._layout.batch_capacity
+        return [
+            KeyedJaggedTensor(keys=keys, values=indices, offsets=g_offsets, weights=weights, stride=stride)
+            for keys, (indices, g_offsets, weights) in zip(self._keys, self._gather(ids, step, offsets, exact, None))
+        ]
+
+    def tensors(self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, stream: int) -> List[GroupIds]:
+        """``kjts(..., exact=False)`` as ``GroupIds``, for a lookup that runs on
+        ``stream`` (the receive's, a raw handle) before the stream's next receive:
+        unless the lookup reads past the bags (``exact_always``), each group's index
+        tensor is then the stream's own, the same at every step."""
+        exact = self._exact_always
+        return [GroupIds(*group) for group in self._gather(ids, step, offsets, exact, None if exact else stream)]
+
+    def _gather(
+        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, exact: bool, stream: Optional[int]
+    ) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """Per group, its ids, offsets and weights (None if unweighted) of a step (see
+        ``kjts``); the index tensors are ``stream``'s own if given (not ``exact``)."""
+        layout, world, bags = self._layout, self._world, self._bags
         if exact:
             at = offsets.index_select(0, self._bags_dev).tolist()
+        reused = self._reused.get(stream) if stream is not None else None
+        if stream is not None and reused is None:
+            n = world * layout.ids_capacity
+            reused = self._reused[stream] = [self._outputs(n) for _ in self._sizes]
         groups = []
         for g, (first, size) in enumerate(zip(self._first, self._sizes)):
             lo, hi = bags[g], bags[g + 1]
             g_offsets = offsets if len(bags) == 2 else offsets[lo : hi + 1] - offsets[lo]
-            n = at[g + 1] - at[g] if exact else world * layout.ids_capacity
-            indices = torch.empty(n, dtype=torch.int64, device=self._dev)
-            weights = torch.empty(n if self._weighted else 1, dtype=torch.float32, device=self._dev)
+            if reused is not None:
+                indices, weights = reused[g]
+            else:
+                indices, weights = self._outputs(at[g + 1] - at[g] if exact else world * layout.ids_capacity)
             gather_ids(ids, step, world, offsets, indices, weights, first, size, layout, self._weighted)
-            groups.append(
-                KeyedJaggedTensor(
-                    keys=[x.name for x in self._features[first : first + size]],
-                    values=indices,
-                    offsets=g_offsets,
-                    weights=weights if self._weighted else None,
-                    stride=world * layout.batch_capacity,
-                )
-            )
+            groups.append((indices, g_offsets, weights if self._weighted else None))
         return groups
+
+    def _outputs(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A gather's index tensor of ``n`` ids, and its weights (``_no_weights`` if
+        unweighted)."""
+        indices = torch.empty(n, dtype=torch.int64, device=self._dev)
+        if not self._weighted:
+            return indices, self._no_weights
+        return indices, torch.empty(n, dtype=torch.float32, device=self._dev)
 
 
 class FusedTables:

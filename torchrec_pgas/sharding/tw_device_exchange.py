@@ -200,7 +200,10 @@ class DeviceTwExchange(DeviceTwSetup):
                 batch.from_slots = SlotsLookup(offsets, ids_step.word, step, stream)
                 route.check_now = False
                 return batch
-            batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, exact=training)
+            if self._group_tensors and not training:
+                batch.groups = self._groups.tensors(buffers.ids, ids_step.word, offsets, stream)
+            else:
+                batch.groups = self._groups.kjts(buffers.ids, ids_step.word, offsets, exact=training)
         # Everything is read (stream ordered): release the slots to their sources.
         buffers.release(ids_step)
         return batch

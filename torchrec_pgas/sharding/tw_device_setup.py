@@ -40,9 +40,12 @@ class DeviceTwSetup(BaseTwExchange):
     pool with ``lookup_put`` (every group FBGEMM ``FUSED``, sum or mean pooling, no
     feature processor), whether a training step may update those tables itself
     (``fused_update.py``; ``PgasOptions.sparse_update``), which owner gets which ids (``routing``, default
-    ``TableWiseIds``) and where owners store pooled rows (``output``, default one
-    block, each owner at its columns). Its ``DeviceBuffers`` come at the first send
-    (``_allocate``, collective); ``close`` frees them."""
+    ``TableWiseIds``), where owners store pooled rows (``output``, default one
+    block, each owner at its columns) and whether the owner's lookup takes its groups
+    as ``GroupIds`` rather than KJTs, on the receive's stream before the next receive
+    there (``group_tensors``: an owner that calls FBGEMM itself, the quantized
+    module). Its ``DeviceBuffers`` come at the first send (``_allocate``,
+    collective); ``close`` frees them."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class DeviceTwSetup(BaseTwExchange):
         fused_update: bool = False,
         routing: Optional[IdsRouting] = None,
         output: Optional[OutputBlocks] = None,
+        group_tensors: bool = False,
         **plan: Any,
     ) -> None:
         super().__init__(transport, **plan)
@@ -66,6 +70,7 @@ class DeviceTwSetup(BaseTwExchange):
         self._group_sizes = list(group_sizes)
         self._weighted = weighted
         self._exact_always = not lookup_reads_only_bags
+        self._group_tensors = group_tensors
         self._owners = torch.tensor(self._owners_with_tables, dtype=torch.int32, device=self._dev)
         self._fused = FusedTables(fused_lookup, self._output.col_offsets[self._me], self._dev)
         self._update = FusedUpdate(fused_lookup and fused_update, weighted, self._dev)
