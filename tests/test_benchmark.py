@@ -2,7 +2,6 @@
 two CPU processes that writes its JSON, markdown and plot. Speed itself is shown by
 running the suite, never by a test."""
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -427,7 +426,8 @@ def _graphed_pair(rank: int, world_size: int, out: str) -> None:
 
     sys.modules["torchrec_pgas.graphs"] = types.SimpleNamespace(capture=capture, raise_errors=raise_errors)
     cfg = Config(tables=3, rows=50, dim=8, batch_size=6, ids_per_bag=3, ranks=world_size)
-    args = argparse.Namespace(iters=2, warmup=1, rounds=2, cuda_graph=True, batch_sizes=None)
+    args = bench._parse(["--iters", "2", "--warmup", "1", "--rounds", "2"])
+    args.cuda_graph = True  # (the parser refuses it without a GPU)
     rows = bench._run("r1", cfg, dist.group.WORLD, torch.device("cpu"), {}, args)
     assert len(captured) == 2 * 3, "ours only, each round: forward, training step, DLRM inference"
     assert checked == [True] * 6, "each graph's replays end with a wait for their errors"
