@@ -97,7 +97,8 @@ def test_lookup_groups_as_tensors_hold_the_kjts_ids_in_each_streams_own_tensors(
 
 def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     """A send's narrowed lengths (``StreamScratch.narrowed``): the stream's tensor,
-    the same for every batch that fits the capacity, another stream's apart."""
+    the same for every batch that fits the capacity, another stream's apart; a batch
+    over capacity gets its own, and the stream's keeps its address (a graph may hold it)."""
     layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
     runs = torch.zeros(2, 1, 3, dtype=torch.int64)
     scratch = device_batch.StreamScratch(runs, 3, layout, 2, torch.device("cpu"), input_features=3)
@@ -109,3 +110,4 @@ def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     assert scratch.narrowed(8, 12).data_ptr() != a.data_ptr(), "another stream"
     big = scratch.narrowed(7, 3 * layout.batch_capacity + 1)  # over capacity (its step raises)
     assert big.numel() == 3 * layout.batch_capacity + 1
+    assert scratch.narrowed(7, 12).data_ptr() == a.data_ptr(), "the stream's tensor kept its address"

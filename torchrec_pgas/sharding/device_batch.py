@@ -220,8 +220,12 @@ class StreamScratch:
         whole, view = self._narrowed.get(stream, (None, None))
         if view is not None and view.numel() == n:
             return view
-        if whole is None or whole.numel() < n:
-            whole = torch.empty(max(n, self._lengths), dtype=torch.int32, device=self._dev)
+        if n > self._lengths:
+            # A batch over capacity (its step raises) gets a tensor of its own: the
+            # stream's keeps its address, which a captured graph may hold.
+            return torch.empty(n, dtype=torch.int32, device=self._dev)
+        if whole is None:
+            whole = torch.empty(self._lengths, dtype=torch.int32, device=self._dev)
         view = whole[:n]
         self._narrowed[stream] = (whole, view)
         return view
