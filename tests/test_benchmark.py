@@ -391,8 +391,9 @@ def _sparse_update_reaches_the_sharding(rank: int, world_size: int) -> None:
 
 def test_sparse_update_option_reaches_our_sharding(capsys):
     """``--sparse-update`` (default: ``PgasOptions``') is the option our side's
-    modules are built with; other values are refused."""
+    modules are built with, in the benchmark and its profile; other values are refused."""
     assert bench._parse([]).sparse_update == "fused"
+    assert profile._parse(["--sparse-update", "fbgemm"]).sparse_update == "fbgemm"
     with pytest.raises(SystemExit):
         bench._parse(["--sparse-update", "adam"])
     assert "invalid choice: 'adam'" in capsys.readouterr().err

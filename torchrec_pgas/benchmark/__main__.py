@@ -41,7 +41,6 @@ import argparse
 import gc
 import sys
 import time
-import typing
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -54,14 +53,15 @@ from torchrec_pgas.benchmark.config import (
     DEFAULT_SCALE,
     Config,
     add_config_args,
+    add_options_args,
     base_config,
     batch_sweep,
+    pgas_options,
     scenarios,
     table_specs,
 )
 from torchrec_pgas.process import finish, start_rank
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.types import PgasOptions, SparseUpdate
 
 PAIRS = (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise"))
 #: The DLRM scenario's pair (small tables table-wise + big ones row-wise, one module
@@ -96,12 +96,7 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="GPUs only: also time our forward, DLRM inference and training step captured in a CUDA graph "
         "and replayed, next to the eager times (TorchRec's sharding cannot be captured)",
     )
-    p.add_argument(
-        "--sparse-update",
-        choices=typing.get_args(SparseUpdate),
-        default=PgasOptions().sparse_update,
-        help="how our GPU training steps update the tables (PgasOptions.sparse_update)",
-    )
+    add_options_args(p)
     p.add_argument("--out", default="benchmark_results")
     args = p.parse_args(argv)
     if args.cuda_graph and not torch.cuda.is_available():
@@ -138,7 +133,7 @@ def _measure(cfg: Config, sharding: str, device: torch.device, pg, args, graphed
     kjts = workload.batches(cfg, device, 4, rank)
     dense = workload.dense_features(cfg, device, 4, rank)
     grads = [torch.randn(cfg.batch_size, len(kjts[0].keys()) * cfg.dim, device=device) for _ in kjts]
-    options = PgasOptions(sparse_update=args.sparse_update)
+    options = pgas_options(args)
     model = workload.build(cfg, sharding, device, pg, options=options)
     with torch.no_grad():
         first = workload.pooled_by_table(model, kjts[0])

@@ -3,8 +3,11 @@
 import argparse
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from torchrec_pgas.types import PgasOptions, SparseUpdate
 
 #: Rows of the 26 sparse features of Criteo 1TB with ids hashed into at most 40M
 #: (MLPerf DLRM v2, TorchRec's ``examples/dlrm``): from 3 to 40M rows.
@@ -136,6 +139,21 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated samples per rank: every chosen scenario's configurations at each",
     )
+
+
+def add_options_args(p: argparse.ArgumentParser) -> None:
+    """Our side's options (``PgasOptions``) that a run may choose."""
+    p.add_argument(
+        "--sparse-update",
+        choices=typing.get_args(SparseUpdate),
+        default=PgasOptions().sparse_update,
+        help="how our GPU training steps update the tables (PgasOptions.sparse_update)",
+    )
+
+
+def pgas_options(args: argparse.Namespace) -> PgasOptions:
+    """The ``PgasOptions`` of ``add_options_args``'s arguments."""
+    return PgasOptions(sparse_update=args.sparse_update)
 
 
 def base_config(args: argparse.Namespace, world: int) -> Config:

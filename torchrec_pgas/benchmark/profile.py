@@ -10,6 +10,8 @@ back without barriers), then on rank 0 a cProfile of 30 calls of each
 (``OUT/cprofile_<sharding>_<step>.txt``, by own time and by cumulative time) and a
 ``torch.profiler`` table of 5 calls of each (``OUT/torch_profile_<sharding>_<step>.txt``),
 with every rank's timeline of them (``OUT/torch_profile_<sharding>_<step>_rank<r>.json``).
+``--sparse-update fbgemm`` profiles our training step with FBGEMM's backward instead of
+the fused update (``PgasOptions.sparse_update``).
 
 ``--cuda-graph`` (GPUs) profiles the inference forward on the device instead, eager
 and captured in a CUDA graph (``torchrec_pgas.graphs.capture``, as the benchmark's
@@ -56,7 +58,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
 
 from torchrec_pgas.benchmark import floor, timing, workload
-from torchrec_pgas.benchmark.config import Config, add_config_args, base_config
+from torchrec_pgas.benchmark.config import Config, add_config_args, add_options_args, base_config, pgas_options
 from torchrec_pgas.process import finish, start_rank
 
 
@@ -73,6 +75,7 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=20, help="--cuda-graph: steps profiled per sharding and mode")
     p.add_argument("--warmup", type=int, default=10, help="--cuda-graph: untimed steps before the timed ones")
     add_config_args(p)
+    add_options_args(p)
     args = p.parse_args(argv)
     if args.cuda_graph and not torch.cuda.is_available():
         p.error("--cuda-graph needs GPUs (it captures CUDA graphs), and torch sees no CUDA device here")
@@ -488,7 +491,7 @@ def profile_forward(
     (where ``graphable``; a captured model takes no more eager steps)."""
     rank = dist.get_rank(pg)
     batches = [(kjt,) for kjt in workload.batches(cfg, device, 4, rank)]
-    model = workload.build(cfg, sharding, device, pg)
+    model = workload.build(cfg, sharding, device, pg, options=pgas_options(args))
     forward, _ = workload.step_fns(model)
     profiles = [_device_profile(workload.cycle(forward, batches), cfg, sharding, "eager", parts, device, pg, args)]
     if graphable(sharding):
@@ -562,7 +565,8 @@ def main() -> None:
     grads = [torch.randn(cfg.batch_size, cfg.tables * cfg.dim, device=device) for _ in kjts]
     lines: List[str] = []
     for sharding in tqdm(args.shardings.split(","), desc="shardings", disable=rank != 0):
-        forward, train_step = workload.steps(workload.build(cfg, sharding, device, dist.group.WORLD), kjts, grads)
+        model = workload.build(cfg, sharding, device, dist.group.WORLD, options=pgas_options(args))
+        forward, train_step = workload.steps(model, kjts, grads)
         for name, fn in (("forward", forward), ("train_step", train_step)):
             t = _times(fn, args.iters, device)
             lines.append(f"{sharding:18} {name:11} " + "  ".join(f"{k} {v:.3f}" for k, v in t.items()))
