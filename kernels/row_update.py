@@ -79,6 +79,31 @@ def dim_block(max_dim: int) -> int:
     return max(next_power_of_2(max_dim), 16)
 
 
+@triton.jit
+def block_edges(keys_ptr, b, n, BLOCK: tl.constexpr, SENTINEL: tl.constexpr):
+    """Block ``b`` of the sorted keys: its positions ``[begin, end)``, its first key,
+    whether that key's run began in an earlier block (``continued``), and the key after
+    the block (``following``; the sentinel after the last): the runs whose sums in the
+    block are partial ones."""
+    begin = b * BLOCK
+    end = tl.minimum(begin + BLOCK, n)
+    first = tl.load(keys_ptr + begin)
+    continued = (b > 0) & (tl.load(keys_ptr + begin - 1, mask=b > 0, other=SENTINEL) == first)
+    following = tl.load(keys_ptr + end, mask=end < n, other=SENTINEL)
+    return begin, end, first, continued, following
+
+
+@triton.jit
+def row_where(where_ptr, p, mask, WHERE_WORDS: tl.constexpr):
+    """The row of sorted positions ``p`` (``update_keys``' ``where``): its offset in the
+    weights and its dim (FBGEMM's rows are multiples of 4 elements: they move 4 at a
+    time), and its index in the optimizer state."""
+    at = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS, mask=mask, other=0), 4)
+    dim = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS + 1, mask=mask, other=0), 4)
+    state_at = tl.load(where_ptr + p * WHERE_WORDS + 2, mask=mask, other=0)
+    return at, dim, state_at
+
+
 @triton.jit(do_not_specialize=["n", "weight_decay_mode"])
 def row_update_kernel(
     keys_ptr,
@@ -109,13 +134,7 @@ def row_update_kernel(
     b = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
-    begin = b * BLOCK
-    end = tl.minimum(begin + BLOCK, n)
-    # The block's first row began in an earlier block, its last goes on in the next:
-    # their sums here are partial ones.
-    first = tl.load(keys_ptr + begin)
-    continued = (b > 0) & (tl.load(keys_ptr + begin - 1, mask=b > 0, other=SENTINEL) == first)
-    following = tl.load(keys_ptr + end, mask=end < n, other=SENTINEL)
+    begin, end, first, continued, following = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
     for t in range(BLOCK // ROWS):
         p = begin + t * ROWS + r
         key = tl.load(keys_ptr + p, mask=p < end, other=SENTINEL)
@@ -125,10 +144,7 @@ def row_update_kernel(
         start = (key != SENTINEL) & good & ((p == begin) | (key != before))
         whole = start & ~began_before & (key != following)
 
-        # FBGEMM's rows are multiples of 4 elements: they move 4 at a time.
-        at = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS, mask=start, other=0), 4)
-        dim = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS + 1, mask=start, other=0), 4)
-        state_at = tl.load(where_ptr + p * WHERE_WORDS + 2, mask=start, other=0)
+        at, dim, state_at = row_where(where_ptr, p, start, WHERE_WORDS)
         inside = start[:, None] & (d[None, :] < dim[:, None])
         acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         j = p

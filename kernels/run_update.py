@@ -27,7 +27,7 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import row_step
-from torchrec_pgas.kernels.row_update import TILE, block_positions, dim_block
+from torchrec_pgas.kernels.row_update import TILE, block_edges, block_positions, dim_block, row_where
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 
 NUM_WARPS = 1
@@ -60,12 +60,9 @@ def run_update_kernel(
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     one = tl.arange(0, 1).to(tl.int64)
-    begin = b * BLOCK
-    last = tl.minimum(begin + BLOCK, n) - 1 + one
+    _, end, first, continued, following = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
+    last = end - 1 + one
     key = tl.load(keys_ptr + last)
-    following = tl.load(keys_ptr + begin + BLOCK + one, mask=begin + BLOCK < n, other=SENTINEL)
-    first = tl.load(keys_ptr + begin)
-    continued = (b > 0) & (tl.load(keys_ptr + begin - 1, mask=b > 0, other=SENTINEL) == first)
     owner = (key != SENTINEL) & (following == key) & ~(continued & (key == first)) & good
     if tl.max(owner.to(tl.int32), axis=0) > 0:
         # The last block that begins with the row (block b + 1 does).
@@ -76,17 +73,15 @@ def run_update_kernel(
             up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == key
             lo = tl.where(up, mid, lo)
             hi = tl.where(up, hi, mid - 1)
-        at = tl.multiple_of(tl.load(where_ptr + last * WHERE_WORDS), 4)
-        dim = tl.multiple_of(tl.load(where_ptr + last * WHERE_WORDS + 1), 4)
-        state_at = tl.load(where_ptr + last * WHERE_WORDS + 2)
+        at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
         inside = owner[:, None] & (d[None, :] < dim[:, None])
         acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
         c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
-        end = tl.max(lo, axis=0)
-        for _ in range(b + 1, end + 1, CHUNK):
+        run_end = tl.max(lo, axis=0)
+        for _ in range(b + 1, run_end + 1, CHUNK):
             part = tl.load(
                 partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
-                mask=(c[:, None] <= end) & (d[None, :] < dim[:, None]),
+                mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
                 other=0.0,
             )
             acc += tl.sum(part, axis=0)[None, :]
