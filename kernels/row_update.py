@@ -23,8 +23,9 @@ in batch order) and:
   earlier block, else at ``2 * b + 1``; ``run_update`` adds them up for the row's first
   block and steps the row, so that a hot row's occurrences are summed by many programs.
 
-Nothing is updated for a bad step: ``verdict`` (``update_keys``) says so once for both
-launches, so that an error the transport records meanwhile cannot update part of a step.
+Nothing is updated for a bad step: ``verdict`` (``step_verdict``) says so once for every
+launch of the step, so that an error the transport records meanwhile cannot update part
+of a step.
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
@@ -39,7 +40,7 @@ Buffers:
     state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  out: the
                blocks' sums of rows that cross blocks
-    verdict:   int64 [1]  nonzero for a bad step (``update_keys``)
+    verdict:   int64 [1]  nonzero for a bad step (``step_verdict``)
 """
 
 import torch

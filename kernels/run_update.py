@@ -18,7 +18,7 @@ Buffers:
     state:     float32 [...]  the row-wise optimizer state, in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  the blocks'
                sums (``row_update``)
-    verdict:   int64 [1]  nonzero for a bad step (``update_keys``)
+    verdict:   int64 [1]  nonzero for a bad step (``step_verdict``)
 """
 
 import torch

@@ -20,11 +20,9 @@ and the bag's feature, and writes, per position:
 * where its row lies (``where``): its element offset in the weights, its dim and its
   index in the optimizer state, so that the update finds a row with one load.
 
-Program 0 also decides, once for the update's launches, whether the step is bad
-(``verdict``): a source's header in ``record`` is not ``OK``, its error record holds an
-error, or the transport's error record (``err``) holds one, such as the backward's wait
-for the gradients that timed out. A bad step's outputs were NaN and the host raises for
-it; nothing is updated for it.
+It runs in the forward, right after the lookup, so that the keys are sorted while the
+host runs the rest of the step; whether the step is bad is decided in the backward
+(``step_verdict``).
 
 Buffers:
     offsets:   int64 [bags + 1]  the group's bag offsets, feature-major, ``bags_per_feature``
@@ -41,16 +39,12 @@ Buffers:
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
     where:     int64 [N, WHERE_WORDS]  out: each position's row's weights offset, dim and
                optimizer state index (undefined past the ids)
-    record:    int64 [S * 8 + 4]  the step's headers, then its error record
-    err:       int64 [4]  the transport's error record (see ``signals.py``)
-    verdict:   int64 [1]  out: nonzero for a bad step
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 
 BLOCK = 1024
@@ -62,7 +56,6 @@ FEATURE_WORDS = 6
 ROW, COL, MEAN, WEIGHTS_AT, DIM, STATE_AT = range(FEATURE_WORDS)
 #: ``where`` columns.
 WHERE_WORDS = 3
-_OK = Status.OK.value
 
 
 def sentinel(dtype: torch.dtype) -> int:
@@ -75,16 +68,7 @@ def key_dtype(total_rows: int) -> torch.dtype:
     return torch.int32 if total_rows < sentinel(torch.int32) else torch.int64
 
 
-@triton.jit
-def _step_is_bad(record_ptr, err_ptr, num_sources, HEADER_WORDS: tl.constexpr, OK: tl.constexpr):
-    bad = (tl.load(record_ptr + num_sources * HEADER_WORDS) != 0).to(tl.int64)
-    bad |= (tl.load(err_ptr) != 0).to(tl.int64)
-    for q in range(num_sources):
-        bad |= (tl.load(record_ptr + q * HEADER_WORDS) != OK).to(tl.int64)
-    return bad
-
-
-@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "search_steps", "num_sources"])
+@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "search_steps"])
 def update_keys_kernel(
     offsets_ptr,
     indices_ptr,
@@ -94,26 +78,18 @@ def update_keys_kernel(
     src_ptr,
     scale_ptr,
     where_ptr,
-    record_ptr,
-    err_ptr,
-    verdict_ptr,
     n: tl.int64,
     bags: tl.int64,
     bags_per_feature: tl.int64,
     pitch: tl.int64,
     search_steps: tl.int64,
-    num_sources: tl.int64,
     SENTINEL: tl.constexpr,
     FEATURE_WORDS: tl.constexpr,
     WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    HEADER_WORDS: tl.constexpr,
-    OK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    if tl.program_id(0) == 0:
-        tl.store(verdict_ptr, _step_is_bad(record_ptr, err_ptr, num_sources, HEADER_WORDS, OK))
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = p < n
     total = tl.load(offsets_ptr + bags)
@@ -162,12 +138,8 @@ def update_keys(
     src: torch.Tensor,
     scale: torch.Tensor,
     where: torch.Tensor,
-    record: torch.Tensor,
-    err: torch.Tensor,
-    verdict: torch.Tensor,
     bags_per_feature: int,
     pitch: int,
-    num_sources: int,
     scaled: bool,
     weighted: bool,
 ) -> None:
@@ -184,22 +156,16 @@ def update_keys(
         src,
         scale,
         where,
-        record,
-        err,
-        verdict,
         n,
         bags,
         bags_per_feature,
         pitch,
         max(bags, 1).bit_length(),
-        num_sources,
         SENTINEL=sentinel(keys.dtype),
         FEATURE_WORDS=FEATURE_WORDS,
         WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
-        HEADER_WORDS=HEADER_WORDS,
-        OK=_OK,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

@@ -37,6 +37,7 @@ from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
+from torchrec_pgas.kernels.step_verdict import step_verdict_kernel  # noqa: E402
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, WHERE_WORDS, update_keys_kernel  # noqa: E402
 
 
@@ -321,9 +322,6 @@ CASES = {
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
             "where_ptr": "*i64",
-            "record_ptr": "*i64",
-            "err_ptr": "*i64",
-            "verdict_ptr": "*i64",
         },
         [
             {
@@ -332,12 +330,15 @@ CASES = {
                 "WHERE_WORDS": WHERE_WORDS,
                 "SCALED": scaled,
                 "WEIGHTED": w,
-                "HEADER_WORDS": 8,
-                "OK": 0,
                 "BLOCK": 1024,
             }
             for scaled, w in ((False, False), (True, False), (True, True))
         ],
+    ),
+    "step_verdict": (
+        step_verdict_kernel,
+        {"record_ptr": "*i64", "err_ptr": "*i64", "verdict_ptr": "*i64"},
+        [{"HEADER_WORDS": 8, "OK": 0}],
     ),
     "row_update": (
         row_update_kernel,

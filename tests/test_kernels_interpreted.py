@@ -65,6 +65,7 @@ def k():
         row_update,
         rows_put,
         run_update,
+        step_verdict,
         update_keys,
     )
 
@@ -75,7 +76,7 @@ def k():
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
-    Kernels.run_update = run_update
+    Kernels.run_update, Kernels.step_verdict = run_update, step_verdict
     return Kernels
 
 
@@ -787,7 +788,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time;
     int64 keys and no padding (seed 2). A bad step's record, or an error of the
     transport, leaves weights and optimizer state as they were, and the step's verdict is
-    taken once: an error recorded after ``update_keys`` does not split the update."""
+    taken once: an error recorded after ``step_verdict`` does not split the update."""
     from torchrec_pgas.kernels import row_step
 
     if seed < 2:
@@ -836,7 +837,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     S = 3
     no_error = torch.zeros(4, dtype=torch.int64)
 
-    def run(record, err=no_error, err_after_keys=None):
+    def run(record, err=no_error, err_after_verdict=None):
         keys = torch.empty(n, dtype=key_dtype)
         src = torch.empty(n, dtype=torch.int64)
         scale = torch.empty(n) if scaled else torch.empty(1)
@@ -844,11 +845,11 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         verdict = torch.empty(1, dtype=torch.int64)
         err = err.clone()
         k.update_keys.update_keys(
-            offsets, indices, psw_in, features, keys, src, scale, where, record, err, verdict, B, grad.stride(0), S,
-            scaled, weighted,
+            offsets, indices, psw_in, features, keys, src, scale, where, B, grad.stride(0), scaled, weighted
         )  # fmt: skip
-        if err_after_keys is not None:
-            err.copy_(err_after_keys)
+        k.step_verdict.step_verdict(record, err, verdict, S)
+        if err_after_verdict is not None:
+            err.copy_(err_after_verdict)
         sorted_keys, order = torch.sort(keys, stable=True)
         src, where = src[order], where[order]
         scale = scale[order] if scaled else scale
@@ -868,9 +869,13 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     bad_record = ok_record.clone()
     bad_record[HEADER_WORDS] = int(Status.ID_OUT_OF_RANGE)
     timed_out = torch.tensor([1, 0, 0, 0], dtype=torch.int64)  # a wait of the backward timed out
-    for untouched in (run(bad_record), run(ok_record, timed_out), run(ok_record, timed_out, err_after_keys=no_error)):
+    for untouched in (
+        run(bad_record),
+        run(ok_record, timed_out),
+        run(ok_record, timed_out, err_after_verdict=no_error),
+    ):
         assert torch.equal(untouched[0], w0) and (not adagrad or torch.equal(untouched[1], m0))
-    late = run(ok_record, err_after_keys=timed_out)  # recorded by another stream's wait, meanwhile
+    late = run(ok_record, err_after_verdict=timed_out)  # recorded by another stream's wait, meanwhile
     assert torch.equal(late[0], table) and (not adagrad or torch.equal(late[1], state))
 
     # The float64 reference: per row, the batch-order sum of its occurrences' gradients.
@@ -971,9 +976,10 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     bad = record.clone()
     bad[0] = int(Status.OVER_CAPACITY)
     before = [t.weights_dev.clone() for t in ours]
-    update.apply(groups, kjts, grad, bad, err, B, S)
+    prepared = update.prepare(groups, kjts, B, grad.shape[1])
+    update.apply(groups, prepared, grad, bad, err, S)
     assert all(torch.equal(t.weights_dev, w) for t, w in zip(ours, before))
-    update.apply(groups, kjts, grad, record, err, B, S)
+    update.apply(groups, prepared, grad, record, err, S)
     col = 0
     for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
         ref(values, offsets).backward(grad[:, col : col + width])

@@ -1,6 +1,8 @@
 """The owner's training step without FBGEMM's backward: the lookup pools straight from
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
-fused optimizer itself (``kernels/update_keys``, a stable sort, ``kernels/row_update``).
+fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
+a stable sort), the backward steps the rows (``kernels/step_verdict``,
+``kernels/row_update``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
 index tensor had to hold exactly the batch's ids, whose count the host then read back:
@@ -30,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
+from torchrec_pgas.kernels.step_verdict import step_verdict
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, key_dtype, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
@@ -77,6 +80,20 @@ def _qualifies(tbe: Any, weighted: bool) -> bool:
     )
 
 
+@dataclass
+class SortedIds:
+    """One lookup group's ids of a step as its update reads them (``prepare``): the
+    stable sort of their row keys, and in that order each one's gradient row (an offset
+    in a gradient of rows of ``pitch`` elements), scale and row (see
+    ``kernels/update_keys``)."""
+
+    keys: torch.Tensor
+    src: torch.Tensor
+    scale: torch.Tensor
+    where: torch.Tensor
+    pitch: int
+
+
 class FusedUpdate:
     """The owner's fused sparse update of its lookup modules (see the module
     docstring). ``enabled`` goes False for good when a module does not qualify."""
@@ -122,30 +139,22 @@ class FusedUpdate:
         self._tbes, self._groups = tbes, groups
         return groups
 
-    def apply(
-        self,
-        groups: Sequence[GroupUpdate],
-        kjts: Sequence[KeyedJaggedTensor],
-        grad: torch.Tensor,
-        record: torch.Tensor,
-        err: torch.Tensor,
-        bags_per_feature: int,
-        num_sources: int,
-    ) -> None:
-        """Applies each group's update for one step: ``kjts`` are its lookup groups'
-        ids (index tensors of fixed capacity), ``grad`` the gradient of the owner's
-        lookup output ``[bags_per_feature, dims]``, ``record`` the step's record and
-        ``err`` the transport's error record."""
-        if grad.stride(1) != 1 or (grad.shape[0] > 1 and grad.stride(0) < grad.shape[1]):
-            grad = grad.contiguous()  # the kernels read rows of contiguous elements
+    def prepare(
+        self, groups: Sequence[GroupUpdate], kjts: Sequence[KeyedJaggedTensor], bags_per_feature: int, pitch: int
+    ) -> List[SortedIds]:
+        """Keys and sorts each group's ids of one step (``kjts``: its lookup groups' ids,
+        index tensors of fixed capacity) for the update of its backward, whose lookup
+        output's gradient will be ``[bags_per_feature, pitch]``, rows contiguous. Enqueued
+        in the forward, right after the lookup: the device sorts while the host runs the
+        rest of the step, and the backward enqueues only the update itself."""
+        prepared = []
         for group, kjt in zip(groups, kjts):
-            tbe, indices, offsets = group.tbe, kjt.values(), kjt.offsets()
+            indices, offsets = kjt.values(), kjt.offsets()
             n, scaled, dev = indices.numel(), self._weighted or group.mean, indices.device
             keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
             where = torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=dev)
-            verdict = torch.empty(1, dtype=torch.int64, device=dev)
             update_keys(
                 offsets,
                 indices,
@@ -155,21 +164,36 @@ class FusedUpdate:
                 src,
                 scale,
                 where,
-                record,
-                err,
-                verdict,
                 bags_per_feature,
-                grad.stride(0),
-                num_sources,
+                pitch,
                 scaled,
                 self._weighted,
             )
             keys, order = torch.sort(keys, stable=True)
             # In the sort's order, so that the update reads them without the permutation.
-            src, where = src[order], where[order]
-            if scaled:
-                scale = scale[order]
-            partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=dev)
+            prepared.append(SortedIds(keys, src[order], scale[order] if scaled else scale, where[order], pitch))
+        return prepared
+
+    def apply(
+        self,
+        groups: Sequence[GroupUpdate],
+        prepared: Sequence[SortedIds],
+        grad: torch.Tensor,
+        record: torch.Tensor,
+        err: torch.Tensor,
+        num_sources: int,
+    ) -> None:
+        """Applies each group's update for one step: ``prepared`` are its sorted ids
+        (``prepare``), ``grad`` the gradient of the owner's lookup output, ``record`` the
+        step's record and ``err`` the transport's error record."""
+        grad = grad.contiguous()  # the kernels read rows of the pitch the keys were given
+        verdict = torch.empty(1, dtype=torch.int64, device=grad.device)
+        step_verdict(record, err, verdict, num_sources)
+        for group, ids in zip(groups, prepared):
+            if grad.shape[0] > 1 and grad.stride(0) != ids.pitch:
+                raise ValueError(f"the lookup output's gradient has rows of {grad.stride(0)}, expected {ids.pitch}")
+            tbe, n = group.tbe, ids.keys.numel()
+            partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=grad.device)
             args = tbe.optimizer_args
             adagrad = group.optim == ROWWISE_ADAGRAD
             state = tbe.momentum1_dev if adagrad else self._no_weights
@@ -180,10 +204,10 @@ class FusedUpdate:
                 int(args.weight_decay_mode) if adagrad else 0,
             )
             row_update(
-                keys,
-                src,
-                scale,
-                where,
+                ids.keys,
+                ids.src,
+                ids.scale,
+                ids.where,
                 grad,
                 tbe.weights_dev,
                 state,
@@ -192,11 +216,11 @@ class FusedUpdate:
                 group.max_dim,
                 group.optim,
                 *hyper,
-                scaled,
+                self._weighted or group.mean,
             )
             run_update(
-                keys,
-                where,
+                ids.keys,
+                ids.where,
                 tbe.weights_dev,
                 state,
                 partial,
@@ -210,14 +234,13 @@ class FusedUpdate:
 @dataclass
 class PendingUpdate:
     """One step's update, applied by the backward of its lookup output (``output``):
-    the owner's lookup groups' ids of the step (``kjts``) and its record."""
+    the owner's lookup groups' sorted ids of the step (``prepared``) and its record."""
 
     update: FusedUpdate
     groups: List[GroupUpdate]
-    kjts: List[KeyedJaggedTensor]
+    prepared: List[SortedIds]
     record: torch.Tensor
     err: torch.Tensor  # the transport's error record
-    bags_per_feature: int
     num_sources: int
 
     def output(self, stand_in: torch.Tensor) -> torch.Tensor:
@@ -227,7 +250,7 @@ class PendingUpdate:
         return _UpdateInBackward.apply(anchor, stand_in, self)
 
     def apply(self, grad: torch.Tensor) -> None:
-        self.update.apply(self.groups, self.kjts, grad, self.record, self.err, self.bags_per_feature, self.num_sources)
+        self.update.apply(self.groups, self.prepared, grad, self.record, self.err, self.num_sources)
 
 
 class _UpdateInBackward(torch.autograd.Function):

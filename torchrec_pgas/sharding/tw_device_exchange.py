@@ -219,8 +219,8 @@ class DeviceTwExchange(DeviceTwSetup):
     def lookup_put(self, batch: LookupBatch, emb_modules: Sequence[Any]) -> Optional[torch.Tensor]:
         """Pools every requester's bags from the slots of ``batch.from_slots`` and puts
         the rows (``kernels/lookup_put``; ``exchange_pooled`` releases the slots); in
-        training, also gathers the step's ids for the fused update of its backward
-        (``fused_update.py``). For tables it cannot read or update, fills
+        training, also keys and sorts the step's ids for the fused update of its
+        backward (``fused_update.py``). For tables it cannot read or update, fills
         ``batch.groups`` for TorchRec's lookup, releases the slots and returns None (as
         for a batch whose groups the receive filled)."""
         lookup, batch.from_slots = batch.from_slots, None
@@ -247,12 +247,6 @@ class DeviceTwExchange(DeviceTwSetup):
             batch.groups = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=training)
             buffers.release_held()
             return None
-        update = None
-        if updates is not None:
-            ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
-            update = PendingUpdate(
-                self._update, updates, ids, batch.route.record, buffers.err, batch.bags_per_feature, self._t.world_size
-            )
         self._out_step += 1
         lookup_put(
             buffers.ids,
@@ -275,8 +269,11 @@ class DeviceTwExchange(DeviceTwSetup):
         )
         # The slots stay held until the output's take releases them.
         batch.route.ids_step = step
-        if update is None:
+        if updates is None:
             return self._no_rows
+        ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
+        prepared = self._update.prepare(updates, ids, batch.bags_per_feature, self._all_rows.shape[1])
+        update = PendingUpdate(self._update, updates, prepared, batch.route.record, buffers.err, self._t.world_size)
         return update.output(self._all_rows)
 
     def _agreed_updates(self, emb_modules: Sequence[Any]) -> Optional[List[GroupUpdate]]:
