@@ -10,7 +10,8 @@ verdict for all the launches, so that an error another stream's wait records mea
 cannot update part of a step.
 
 Buffers:
-    record:    int64 [S * HEADER_WORDS + 4]  the step's headers, then its error record
+    record:    int64 [S * HEADER_WORDS + 5]  the step's headers, then its error record
+               (and the ids step, not read here)
     err:       int64 [4]  the transport's error record (see ``signals.py``)
     verdict:   int64 [1]  out: nonzero for a bad step
 """

@@ -37,6 +37,7 @@ from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
+from torchrec_pgas.kernels.sort_order import sort_order_kernel  # noqa: E402
 from torchrec_pgas.kernels.step_verdict import step_verdict_kernel  # noqa: E402
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, WHERE_WORDS, update_keys_kernel  # noqa: E402
 
@@ -334,6 +335,19 @@ CASES = {
             }
             for scaled, w in ((False, False), (True, False), (True, True))
         ],
+    ),
+    "sort_order": (
+        sort_order_kernel,
+        {
+            "order_ptr": "*i64",
+            "src_ptr": "*i64",
+            "scale_ptr": "*fp32",
+            "where_ptr": "*i64",
+            "src_out_ptr": "*i64",
+            "scale_out_ptr": "*fp32",
+            "where_out_ptr": "*i64",
+        },
+        [{"WHERE_WORDS": WHERE_WORDS, "SCALED": scaled, "BLOCK": 1024} for scaled in (False, True)],
     ),
     "step_verdict": (
         step_verdict_kernel,

@@ -65,6 +65,7 @@ def k():
         row_update,
         rows_put,
         run_update,
+        sort_order,
         step_verdict,
         update_keys,
     )
@@ -76,7 +77,7 @@ def k():
     Kernels.bag_offsets, Kernels.gather_ids, Kernels.rows_put = bag_offsets, gather_ids, rows_put
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
-    Kernels.run_update, Kernels.step_verdict = run_update, step_verdict
+    Kernels.run_update, Kernels.step_verdict, Kernels.sort_order = run_update, step_verdict, sort_order
     return Kernels
 
 
@@ -925,6 +926,26 @@ def _as_on_gpu(tbe):
             tbe.momentum1_dev = torch.nn.Parameter(tbe.momentum1_host.detach().clone(), requires_grad=False)
             tbe.momentum1_host = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     return tbe
+
+
+@_interpreted
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("n", [1, 37, 64])
+def test_sort_order_equals_indexing(k, n, scaled, monkeypatch):
+    """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
+    indexing does, over blocks (of 16 here) with a partial last one; the scale is left
+    alone unless ``scaled``."""
+    monkeypatch.setattr(k.sort_order, "BLOCK", 16)
+    g = torch.Generator().manual_seed(n)
+    _, order = torch.sort(torch.randint(0, 5, (n,), generator=g), stable=True)
+    src = torch.randint(-(2**40), 2**40, (n,), generator=g)
+    scale = torch.rand(n, generator=g)
+    where = torch.randint(0, 2**40, (n, k.update_keys.WHERE_WORDS), generator=g)
+    src_out, where_out = torch.empty_like(src), torch.empty_like(where)
+    scale_out = torch.full((n,), float("nan"))
+    k.sort_order.sort_order(order, src, scale, where, src_out, scale_out, where_out, scaled)
+    assert torch.equal(src_out, src[order]) and torch.equal(where_out, where[order])
+    assert torch.equal(scale_out, scale[order]) if scaled else bool(scale_out.isnan().all())
 
 
 @_interpreted

@@ -322,6 +322,51 @@ def test_every_rank_takes_the_fused_update_or_none_does(qualifies):
     run_ranks(_update_choice, 2, qualifies=qualifies)
 
 
+def _training_lookup_keys_ids_for_backward(rank, world_size):
+    """A training lookup that pools from the slots enqueues, after its kernel, the fused
+    update's keying and sort of the step's ids for a gradient of the lookup output's
+    pitch; the backward applies the update to a gradient of exactly that shape (its
+    rows read at the pitch the keys were given)."""
+    from torchrec_pgas.sharding import tw_device_exchange
+    from torchrec_pgas.sharding.device_batch import DeviceRoute, LookupBatch, SlotsLookup
+
+    _fake_nvshmem(rank, unmapped=[])
+    dims = [8, 12, 4][:world_size]
+    exchange = _exchange(_transport("auto"), world_size, dims)
+    exchange._update.enabled = True
+    exchange._update.groups = lambda emb_modules: ["group"]
+    exchange._fused.rows = lambda emb_modules: torch.empty(0, 4, dtype=torch.int64)
+    ids = [object()]
+    exchange._groups.kjts = lambda *args, **kwargs: ids
+    calls = []
+    tw_device_exchange.lookup_put = lambda *args, **kwargs: calls.append("lookup_put")
+    tw_device_exchange.driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda index: 7))
+
+    def prepare(groups, kjts, bags_per_feature, pitch):
+        calls.append(("prepare", groups, kjts, bags_per_feature, pitch))
+        return ["sorted"]
+
+    def apply(groups, prepared, grad, record, err, num_sources):
+        calls.append(("apply", groups, prepared, tuple(grad.shape), num_sources))
+
+    exchange._update.prepare, exchange._update.apply = prepare, apply
+    buffers, cap = exchange._buffers, exchange._layout.batch_capacity
+    buffers.hold(3, None)
+    route = DeviceRoute(torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64), 5, 5)
+    batch = LookupBatch(groups=[], route=route, bags_per_feature=world_size * cap)
+    batch.from_slots = SlotsLookup(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 3, 7)
+    out = exchange.lookup_put(batch, [types.SimpleNamespace(emb_module=types.SimpleNamespace(weights_dev=None))])
+    assert out.shape == (world_size * cap, dims[rank]) and out.requires_grad
+    assert calls == ["lookup_put", ("prepare", ["group"], ids, world_size * cap, dims[rank])], calls
+    out.backward(torch.ones(out.shape))
+    assert calls[2:] == [("apply", ["group"], ["sorted"], (world_size * cap, dims[rank]), world_size)], calls
+    exchange.close()
+
+
+def test_training_lookup_keys_ids_for_the_backward():
+    run_ranks(_training_lookup_keys_ids_for_backward, 3)
+
+
 def _bad_batch_rows(rank, world_size):
     """A bad batch reports no samples (owners store no rows for it): the requester's
     output take expects none, and its (NaN) output still has the batch's size."""

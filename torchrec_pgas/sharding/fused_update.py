@@ -1,7 +1,7 @@
 """The owner's training step without FBGEMM's backward: the lookup pools straight from
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
 fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
-a stable sort), the backward steps the rows (``kernels/step_verdict``,
+a stable sort, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
 ``kernels/row_update``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
+from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, key_dtype, update_keys
 
@@ -170,8 +171,15 @@ class FusedUpdate:
                 self._weighted,
             )
             keys, order = torch.sort(keys, stable=True)
-            # In the sort's order, so that the update reads them without the permutation.
-            prepared.append(SortedIds(keys, src[order], scale[order] if scaled else scale, where[order], pitch))
+            ids = SortedIds(
+                keys,
+                torch.empty_like(src),
+                torch.empty_like(scale) if scaled else scale,
+                torch.empty_like(where),
+                pitch,
+            )
+            sort_order(order, src, scale, where, ids.src, ids.scale, ids.where, scaled)
+            prepared.append(ids)
         return prepared
 
     def apply(
@@ -186,12 +194,13 @@ class FusedUpdate:
         """Applies each group's update for one step: ``prepared`` are its sorted ids
         (``prepare``), ``grad`` the gradient of the owner's lookup output, ``record`` the
         step's record and ``err`` the transport's error record."""
+        pitches = {ids.pitch for ids in prepared}
+        if grad.dim() != 2 or pitches - {grad.shape[1]}:
+            raise ValueError(f"the lookup output's gradient is {list(grad.shape)}, expected rows of {pitches}")
         grad = grad.contiguous()  # the kernels read rows of the pitch the keys were given
         verdict = torch.empty(1, dtype=torch.int64, device=grad.device)
         step_verdict(record, err, verdict, num_sources)
         for group, ids in zip(groups, prepared):
-            if grad.shape[0] > 1 and grad.stride(0) != ids.pitch:
-                raise ValueError(f"the lookup output's gradient has rows of {grad.stride(0)}, expected {ids.pitch}")
             tbe, n = group.tbe, ids.keys.numel()
             partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=grad.device)
             args = tbe.optimizer_args
@@ -265,4 +274,7 @@ class _UpdateInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         ctx.pending.apply(grad)
+        # The graph node outlives its backward (as long as the loss does): the sorted ids
+        # would otherwise stay next to the next step's.
+        ctx.pending = None
         return None, None, None

@@ -20,7 +20,7 @@ kernels, so the host only enqueues a handful of launches per step:
 * ``lookup_put`` (FBGEMM ``FUSED`` tables): the receive leaves the groups empty and
   keeps the slots held; the lookup pools every requester's bags straight from them and
   stores the rows into the requesters' output slots, as ``rows_put`` would. In
-  training it also keeps the step's ids for the fused update of the backward
+  training it also keys and sorts the step's ids for the fused update of the backward
   (``fused_update.py``), which every rank takes or none does (``_agreed_updates``).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
   output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
