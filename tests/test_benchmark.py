@@ -211,6 +211,7 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     assert all(r["copy_gbps"] > 0 and r["memory_ms"] > 0 for r in rows)
     assert all((r["link_gbps"] > 0 and r["link_ms"] > 0) == (r["config"]["ranks"] > 1) for r in rows)
     assert all(r["floor_ms"] == max(r["memory_ms"], r["link_ms"]) for r in rows)
+    assert all(r["options"] == {"sparse_update": "fused", "remote_path": "auto"} for r in rows)  # our side's
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
     assert f"{host['alloc_us']:.1f} us per small allocation" in table.splitlines()[0]
@@ -376,28 +377,33 @@ def test_graphed_times_are_reported_next_to_eager_and_torchrecs(tmp_path, monkey
     assert not any("graphed" in line for line in report.markdown(rows[2:], "h").splitlines())
 
 
-def _sparse_update_reaches_the_sharding(rank: int, world_size: int) -> None:
+def _options_reach_the_sharding(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
+    from torchrec_pgas.benchmark.config import options_record, pgas_options
     from torchrec_pgas.types import PgasOptions
 
-    args = bench._parse(["--sparse-update", "fbgemm"])
+    args = bench._parse(["--sparse-update", "fbgemm", "--remote-path", "put"])
     cfg = dataclasses.replace(Config(), tables=2, rows=64, batch_size=8, ranks=world_size)
     cpu, pg = torch.device("cpu"), dist.group.WORLD
-    model = workload.build(cfg, "pgas_table_wise", cpu, pg, options=PgasOptions(sparse_update=args.sparse_update))
-    assert model.module.ebc._pgas_options.sparse_update == "fbgemm"
+    model = workload.build(cfg, "pgas_table_wise", cpu, pg, options=pgas_options(args))
+    assert model.module.ebc._pgas_options == PgasOptions(sparse_update="fbgemm", remote_path="put")
+    assert options_record(pgas_options(args)) == {"sparse_update": "fbgemm", "remote_path": "put"}
     assert workload.build(cfg, "pgas_table_wise", cpu, pg).module.ebc._pgas_options == PgasOptions()
 
 
-def test_sparse_update_option_reaches_our_sharding(capsys):
-    """``--sparse-update`` (default: ``PgasOptions``') is the option our side's
-    modules are built with, in the benchmark and its profile; other values are refused."""
-    assert bench._parse([]).sparse_update == "fused"
+def test_options_reach_our_sharding(capsys):
+    """``--sparse-update`` and ``--remote-path`` (defaults: ``PgasOptions``') are the
+    options our side's modules are built with, in the benchmark and its profile; other
+    values are refused."""
+    assert (bench._parse([]).sparse_update, bench._parse([]).remote_path) == ("fused", "auto")
     assert profile._parse(["--sparse-update", "fbgemm"]).sparse_update == "fbgemm"
-    with pytest.raises(SystemExit):
-        bench._parse(["--sparse-update", "adam"])
-    assert "invalid choice: 'adam'" in capsys.readouterr().err
-    run_ranks(_sparse_update_reaches_the_sharding, 1)
+    assert profile._parse(["--remote-path", "put"]).remote_path == "put"
+    for bad in (["--sparse-update", "adam"], ["--remote-path", "ib"]):
+        with pytest.raises(SystemExit):
+            bench._parse(bad)
+        assert f"invalid choice: '{bad[1]}'" in capsys.readouterr().err
+    run_ranks(_options_reach_the_sharding, 1)
 
 
 def _graphed_pair(rank: int, world_size: int, out: str) -> None:

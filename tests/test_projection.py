@@ -266,6 +266,32 @@ def test_check_gives_back_a_known_model_on_rows_it_was_not_fitted_on(tmp_path):
     assert all(s["outside"] == 0 and math.isclose(s["median_ratio"], 1.0, rel_tol=1e-9) for s in summary)
 
 
+def test_put_path_rows_are_checked_apart_and_never_fitted_on(tmp_path):
+    """Rows of a run on the put path (``options.remote_path``) are left out of the fit
+    (the model's link is the peer stores), checked against the same model, and
+    summarized apart; a file of put-path rows alone gives nothing to fit on."""
+    fit_path, _ = _fake_files(tmp_path)
+    rows = json.load(open(fit_path))["rows"]
+    # The put path of the same configurations, 30% slower on our side (TorchRec's as it was).
+    put = [dict(r, options={"remote_path": "put"}) for r in rows]
+    for r in put:
+        r["ours"] = {"forward_ms": 1.3 * r["ours"]["forward_ms"]}
+    results = {"rows": [dict(r, source="fit.json") for r in rows] + [dict(r, source="put.json") for r in put]}
+    pairs = fit_results(results, TRUTH_LINKS)
+    alone = fit_results({"rows": rows}, TRUTH_LINKS)
+    assert [(p.theirs, p.ours) for p in pairs] == [(p.theirs, p.ours) for p in alone]  # the put rows moved nothing
+    checked = check(results, pairs, TRUTH_LINKS)
+    on_put = [c for c in checked if c["remote_path"] == "put"]
+    assert len(on_put) == len(put) * 2 and not any(c["fitted"] for c in on_put)
+    assert all(math.isclose(c["ratio"], 1 / 1.3 if c["side"] == "ours" else 1.0) for c in on_put)
+    summary = {(s["side"], s["gpus"], s["remote_path"], s["rows"]): s for s in summarize(checked, tolerance=0.25)}
+    assert math.isclose(summary[("ours", 2, "put", "held out")]["median_ratio"], 1 / 1.3)
+    assert summary[("ours", 2, "put", "held out")]["outside"] == 2 * 2  # two 2-GPU rows per pair
+    assert summary[("ours", 2, "auto", "all")]["outside"] == 0 and ("ours", 2, "auto", "held out") not in summary
+    with pytest.raises(ValueError, match="every row ran on the put path"):
+        fit_results({"rows": put}, TRUTH_LINKS)
+
+
 def test_check_uses_a_rows_own_link_bandwidth():
     cfg = Config(batch_size=30000, dim=256)
     row = _fake_row(cfg, "r1", PAIRS[0])

@@ -34,7 +34,10 @@ eager only (``TORCHREC_NOT_GRAPHED`` says why).
 
 ``--sparse-update fbgemm`` builds our side with FBGEMM's backward for its training steps
 (``PgasOptions.sparse_update``; one read-back per step, not capturable) instead of our
-fused update, to compare the two against TorchRec's in separate runs.
+fused update, to compare the two against TorchRec's in separate runs. ``--remote-path put``
+builds it with NVSHMEM puts to every peer (``PgasOptions.remote_path``: the path between
+nodes) instead of stores through peer mappings, to measure that path inside a node. Each
+row records our side's options (``options``).
 """
 
 import argparse
@@ -56,6 +59,7 @@ from torchrec_pgas.benchmark.config import (
     add_options_args,
     base_config,
     batch_sweep,
+    options_record,
     pgas_options,
     scenarios,
     table_specs,
@@ -239,6 +243,7 @@ def _run(
             "link_ms": parts.link_ms,
             "copy_gbps": copy,
             "link_gbps": link,
+            "options": options_record(pgas_options(args)),  # our side's
             "wall_s": time.perf_counter() - begin,
         }
         if args.cuda_graph:

@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from torchrec_pgas.types import PgasOptions, SparseUpdate
+from torchrec_pgas.types import PgasOptions, RemotePath, SparseUpdate
 
 #: Rows of the 26 sparse features of Criteo 1TB with ids hashed into at most 40M
 #: (MLPerf DLRM v2, TorchRec's ``examples/dlrm``): from 3 to 40M rows.
@@ -149,11 +149,23 @@ def add_options_args(p: argparse.ArgumentParser) -> None:
         default=PgasOptions().sparse_update,
         help="how our GPU training steps update the tables (PgasOptions.sparse_update)",
     )
+    p.add_argument(
+        "--remote-path",
+        choices=typing.get_args(RemotePath),
+        default=PgasOptions().remote_path,
+        help="how our GPU side writes into peers (PgasOptions.remote_path): 'put' takes NVSHMEM "
+        "puts for every peer, the path between nodes, inside one node too",
+    )
 
 
 def pgas_options(args: argparse.Namespace) -> PgasOptions:
     """The ``PgasOptions`` of ``add_options_args``'s arguments."""
-    return PgasOptions(sparse_update=args.sparse_update)
+    return PgasOptions(sparse_update=args.sparse_update, remote_path=args.remote_path)
+
+
+def options_record(options: PgasOptions) -> Dict[str, str]:
+    """The options a results row records (``add_options_args``'), by field."""
+    return {"sparse_update": options.sparse_update, "remote_path": options.remote_path}
 
 
 def base_config(args: argparse.Namespace, world: int) -> Config:

@@ -212,6 +212,12 @@ def row_key(row: Dict[str, Any]) -> Tuple[str, ...]:
     return (row.get("source", ""), row["scenario"], row["label"], *row["pair"])
 
 
+def remote_path(row: Dict[str, Any]) -> str:
+    """Our side's ``PgasOptions.remote_path`` in the row's run (rows of results files
+    written before the benchmark recorded its options ran the default, ``auto``)."""
+    return row.get("options", {}).get("remote_path", "auto")
+
+
 def _rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows = [r for r in results.get("rows", []) if "baseline" in r and "ours" in r and config_of(r) is not None]
     if not rows:
@@ -240,12 +246,15 @@ def intra_gbps(results: Dict[str, Any]) -> Tuple[float, str]:
 
 def fit_results(results: Dict[str, Any], links: Links, fit_scenarios: Sequence[str] = ("r1",)) -> List[Pair]:
     """Per sharding pair: both implementations fitted on the rows of ``fit_scenarios``
-    (all rows of the pair if it has none), at the rows' measured copy bandwidth; the
-    projection starts from the first of them."""
+    (all rows of the pair if it has none) of the default remote path, at the rows'
+    measured copy bandwidth; the projection starts from the first of them."""
     rows = _rows(results)
     pairs = []
     for names in dict.fromkeys(tuple(r["pair"]) for r in rows):
-        mine = [r for r in rows if tuple(r["pair"]) == names]
+        # The model's link is the peer mappings' stores: rows of the put path are checked, never fitted on.
+        mine = [r for r in rows if tuple(r["pair"]) == names and remote_path(r) == "auto"]
+        if not mine:
+            continue
         chosen = [r for r in mine if r["scenario"] in fit_scenarios] or mine
         copy = [r["copy_gbps"] for r in chosen if r.get("copy_gbps")]
         if not copy:
@@ -261,6 +270,8 @@ def fit_results(results: Dict[str, Any], links: Links, fit_scenarios: Sequence[s
                 fitted_on=tuple(row_key(r) for r in chosen),
             )
         )
+    if not pairs:
+        raise ValueError("no row to fit on: every row ran on the put path (--remote-path put); fit on a default run")
     return pairs
 
 
@@ -290,6 +301,7 @@ def check(results: Dict[str, Any], pairs: List[Pair], links: Links) -> List[Dict
                     "pair": r["pair"],
                     "side": side,
                     "gpus": cfg.ranks,
+                    "remote_path": remote_path(r),
                     "measured_ms": measured,
                     "model_ms": predicted,
                     "ratio": predicted / measured,
@@ -322,23 +334,29 @@ def _worst(ratios: Sequence[float]) -> float:
 
 
 def summarize(checked: List[Dict[str, Any]], tolerance: float) -> List[Dict[str, Any]]:
-    """Per side and GPU count, over the held-out rows and over all: how many rows,
+    """Per side, GPU count and our side's remote path (TorchRec's rows of a run on the put
+    path are under it too: the same run), over the held-out rows and over all: how many rows,
     the median and the worst ratio, and how many are off by more than ``tolerance``
     (``outside``: a ratio above ``1 + tolerance`` or below ``1 / (1 + tolerance)``)."""
     out = []
+    paths = sorted({c.get("remote_path", "auto") for c in checked})
     for side in ("baseline", "ours"):
-        for gpus in sorted({c["gpus"] for c in checked}):
+        for gpus, path in [(g, p) for g in sorted({c["gpus"] for c in checked}) for p in paths]:
             for which in ("held out", "all"):
                 ratios = [
                     c["ratio"]
                     for c in checked
-                    if c["side"] == side and c["gpus"] == gpus and (which == "all" or not c["fitted"])
+                    if c["side"] == side
+                    and c["gpus"] == gpus
+                    and c.get("remote_path", "auto") == path
+                    and (which == "all" or not c["fitted"])
                 ]
                 if ratios:
                     out.append(
                         {
                             "side": side,
                             "gpus": gpus,
+                            "remote_path": path,
                             "rows": which,
                             "n": len(ratios),
                             "median_ratio": statistics.median(ratios),
@@ -380,13 +398,13 @@ def check_markdown(
         "",
         f"## Summary: {LABEL} / measured",
         "",
-        f"| side | GPUs | rows | n | median ratio | worst ratio | off by more than {tolerance:.0%} |",
-        "|---|---|---|---|---|---|---|",
+        f"| side | GPUs | our remote path | rows | n | median ratio | worst ratio | off by more than {tolerance:.0%} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summarize(checked, tolerance):
         lines.append(
-            f"| {_SIDE[s['side']]} | {s['gpus']} | {s['rows']} | {s['n']} | {s['median_ratio']:.2f} | "
-            f"{s['worst_ratio']:.2f} | {s['outside']} |"
+            f"| {_SIDE[s['side']]} | {s['gpus']} | {s['remote_path']} | {s['rows']} | {s['n']} | "
+            f"{s['median_ratio']:.2f} | {s['worst_ratio']:.2f} | {s['outside']} |"
         )
     lines += [
         "",
@@ -407,10 +425,17 @@ def check_markdown(
         "link; everything else is one fixed time per implementation (plus one exchange time on more "
         "than one GPU), fitted on the rows marked 'fitted on'. Host time, most of a step at these sizes, "
         "moves between leases and, on one GPU, with the batch in no monotonic way: the model cannot "
-        "follow it, so the spread of the ratios is mostly the host's. The results files do not record "
-        "the remote path (`PgasOptions.remote_path`); the runs here used the default (mapped stores "
-        "inside a node), and no run on the put path (`remote_path='put'`, the multi-node code) was "
-        "measured, so that mode is not checked.",
+        "follow it, so the spread of the ratios is mostly the host's. The model's link is the peer "
+        "mappings' stores inside a node (`PgasOptions.remote_path='auto'`); the put path (`'put'`, "
+        "the code that runs between nodes, forced inside one by the benchmark's `--remote-path put`) "
+        "crosses the same NVLink, so the model gives it the same time: its rows are never fitted on, "
+        "and their ratios are what the put path costs beyond the model. "
+        + (
+            f"Rows on the put path here: {sum(c.get('remote_path') == 'put' for c in checked) // 2}."
+            if any(c.get("remote_path") == "put" for c in checked)
+            else "No row here ran on the put path (files from before the benchmark recorded its "
+            "options ran the default), so that mode is not checked yet."
+        ),
     ]
     lines += [
         "",
