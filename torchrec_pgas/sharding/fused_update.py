@@ -194,6 +194,8 @@ class FusedUpdate:
         """Applies each group's update for one step: ``prepared`` are its sorted ids
         (``prepare``), ``grad`` the gradient of the owner's lookup output, ``record`` the
         step's record and ``err`` the transport's error record."""
+        if not prepared:
+            return
         pitches = {ids.pitch for ids in prepared}
         if grad.dim() != 2 or pitches - {grad.shape[1]}:
             raise ValueError(f"the lookup output's gradient is {list(grad.shape)}, expected rows of {pitches}")
