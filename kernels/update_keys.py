@@ -107,7 +107,7 @@ def update_keys_kernel(
     col = tl.load(features_ptr + f * FEATURE_WORDS + 1, mask=valid, other=0)
     ids = tl.load(indices_ptr + p, mask=valid, other=0)
     tl.store(keys_ptr + p, tl.where(valid, first_row + ids, SENTINEL), mask=inside)
-    tl.store(src_ptr + p, (lo - f * bags_per_feature) * pitch + col, mask=inside)
+    tl.store(src_ptr + p, (lo - f * bags_per_feature) * pitch + col, mask=valid)
     dim = tl.load(features_ptr + f * FEATURE_WORDS + 4, mask=valid, other=0)
     weights_at = tl.load(features_ptr + f * FEATURE_WORDS + 3, mask=valid, other=0)
     state_at = tl.load(features_ptr + f * FEATURE_WORDS + 5, mask=valid, other=0)

@@ -339,6 +339,7 @@ CASES = {
     "sort_order": (
         sort_order_kernel,
         {
+            "keys_ptr": "*i32",
             "order_ptr": "*i64",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
@@ -347,7 +348,10 @@ CASES = {
             "scale_out_ptr": "*fp32",
             "where_out_ptr": "*i64",
         },
-        [{"WHERE_WORDS": WHERE_WORDS, "SCALED": scaled, "BLOCK": 1024} for scaled in (False, True)],
+        [
+            {"SENTINEL": 2**31 - 1, "WHERE_WORDS": WHERE_WORDS, "SCALED": scaled, "BLOCK": 1024}
+            for scaled in (False, True)
+        ],
     ),
     "step_verdict": (
         step_verdict_kernel,

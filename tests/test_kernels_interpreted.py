@@ -931,21 +931,30 @@ def _as_on_gpu(tbe):
 @_interpreted
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("n", [1, 37, 64])
-def test_sort_order_equals_indexing(k, n, scaled, monkeypatch):
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
+def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
-    indexing does, over blocks (of 16 here) with a partial last one; the scale is left
-    alone unless ``scaled``."""
+    indexing does, over blocks (of 16 here) with a partial last one, up to the first
+    sentinel key (positions past the ids, about a third here, are left as they were);
+    the scale is left alone unless ``scaled``."""
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
     g = torch.Generator().manual_seed(n)
-    _, order = torch.sort(torch.randint(0, 5, (n,), generator=g), stable=True)
+    keys = torch.randint(0, 5, (n,), generator=g, dtype=key_dtype)
+    keys[torch.rand(n, generator=g) < 0.3] = k.update_keys.sentinel(key_dtype)
+    keys, order = torch.sort(keys, stable=True)
+    ids = int((keys != k.update_keys.sentinel(key_dtype)).sum())
     src = torch.randint(-(2**40), 2**40, (n,), generator=g)
     scale = torch.rand(n, generator=g)
     where = torch.randint(0, 2**40, (n, k.update_keys.WHERE_WORDS), generator=g)
-    src_out, where_out = torch.empty_like(src), torch.empty_like(where)
+    src_out, where_out = torch.full_like(src, -1), torch.full_like(where, -1)
     scale_out = torch.full((n,), float("nan"))
-    k.sort_order.sort_order(order, src, scale, where, src_out, scale_out, where_out, scaled)
-    assert torch.equal(src_out, src[order]) and torch.equal(where_out, where[order])
-    assert torch.equal(scale_out, scale[order]) if scaled else bool(scale_out.isnan().all())
+    k.sort_order.sort_order(keys, order, src, scale, where, src_out, scale_out, where_out, scaled)
+    assert torch.equal(src_out[:ids], src[order][:ids]) and torch.equal(where_out[:ids], where[order][:ids])
+    assert bool((src_out[ids:] == -1).all() and (where_out[ids:] == -1).all())
+    if scaled:
+        assert torch.equal(scale_out[:ids], scale[order][:ids]) and bool(scale_out[ids:].isnan().all())
+    else:
+        assert bool(scale_out.isnan().all())
 
 
 @_interpreted

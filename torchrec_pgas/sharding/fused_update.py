@@ -178,7 +178,7 @@ class FusedUpdate:
                 torch.empty_like(where),
                 pitch,
             )
-            sort_order(order, src, scale, where, ids.src, ids.scale, ids.where, scaled)
+            sort_order(keys, order, src, scale, where, ids.src, ids.scale, ids.where, scaled)
             prepared.append(ids)
         return prepared
 
