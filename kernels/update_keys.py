@@ -4,9 +4,10 @@ sorts them so that every row's occurrences are adjacent, in batch order.
 
 The index tensor has a fixed capacity (a captured step cannot size it by the batch):
 positions past the last bag's end hold no id and get the sentinel, which sorts last.
-Program ``p`` keys positions ``p * BLOCK ...``: each finds its bag by a binary search
-of ``offsets`` (the last bag whose start is at or before it, so empty bags are skipped)
-and the bag's feature, and writes, per position:
+The first ``cdiv(bags, BLOCK_B)`` programs take ``BLOCK_B`` bags each (a bag's feature,
+column and mean pooling are the same for all its ids) and walk their ids ``BLOCK_J`` at
+a time, so that no position searches for its bag; the other ``cdiv(N, BLOCK_B *
+BLOCK_J)`` programs put the sentinel past the ids. Per position, they write:
 
 * its key, the row in the group's rows (FBGEMM's ``hash_size_cumsum`` of the feature's
   table plus the id: distinct for distinct rows, equal for features sharing a table);
@@ -47,7 +48,9 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 
-BLOCK = 1024
+#: Bags per program, and ids of each bag taken at once.
+BLOCK_B = 32
+BLOCK_J = 32
 NUM_WARPS = 4
 #: ``features`` columns: the feature's table's first row in the group, its column in
 #: the gradient, mean pooling (0/1), its table's offset in the weights, its dim, its
@@ -68,7 +71,7 @@ def key_dtype(total_rows: int) -> torch.dtype:
     return torch.int32 if total_rows < sentinel(torch.int32) else torch.int64
 
 
-@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "search_steps"])
+@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch"])
 def update_keys_kernel(
     offsets_ptr,
     indices_ptr,
@@ -82,48 +85,51 @@ def update_keys_kernel(
     bags: tl.int64,
     bags_per_feature: tl.int64,
     pitch: tl.int64,
-    search_steps: tl.int64,
     SENTINEL: tl.constexpr,
     FEATURE_WORDS: tl.constexpr,
     WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = p < n
-    total = tl.load(offsets_ptr + bags)
-    valid = inside & (p < total)
-    # The last bag b in [0, bags) with offsets[b] <= p.
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + bags - 1
-    for _ in range(search_steps):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(offsets_ptr + mid, mask=valid, other=0) <= p
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    f = lo // bags_per_feature
-    first_row = tl.load(features_ptr + f * FEATURE_WORDS, mask=valid, other=0)
-    col = tl.load(features_ptr + f * FEATURE_WORDS + 1, mask=valid, other=0)
-    ids = tl.load(indices_ptr + p, mask=valid, other=0)
-    tl.store(keys_ptr + p, tl.where(valid, first_row + ids, SENTINEL), mask=inside)
-    tl.store(src_ptr + p, (lo - f * bags_per_feature) * pitch + col, mask=valid)
-    dim = tl.load(features_ptr + f * FEATURE_WORDS + 4, mask=valid, other=0)
-    weights_at = tl.load(features_ptr + f * FEATURE_WORDS + 3, mask=valid, other=0)
-    state_at = tl.load(features_ptr + f * FEATURE_WORDS + 5, mask=valid, other=0)
-    tl.store(where_ptr + p * WHERE_WORDS, weights_at + ids * dim, mask=valid)
-    tl.store(where_ptr + p * WHERE_WORDS + 1, dim, mask=valid)
-    tl.store(where_ptr + p * WHERE_WORDS + 2, state_at + ids, mask=valid)
+    pid = tl.program_id(0).to(tl.int64)
+    bag_programs = tl.cdiv(bags, BLOCK_B)
+    if pid >= bag_programs:
+        # The sentinel past the batch's ids (and before the first bag, should it not start at 0).
+        p = (pid - bag_programs) * (BLOCK_B * BLOCK_J) + tl.arange(0, BLOCK_B * BLOCK_J)
+        past = (p < n) & ((p >= tl.load(offsets_ptr + bags)) | (p < tl.load(offsets_ptr)))
+        tl.store(keys_ptr + p, tl.full([BLOCK_B * BLOCK_J], SENTINEL, keys_ptr.dtype.element_ty), mask=past)
+        return
+    b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    ok = b < bags
+    start = tl.load(offsets_ptr + b, mask=ok, other=0)
+    length = tl.load(offsets_ptr + b + 1, mask=ok, other=0) - start
+    meta = features_ptr + (b // bags_per_feature) * FEATURE_WORDS
+    first_row = tl.load(meta, mask=ok, other=0)
+    src = (b % bags_per_feature) * pitch + tl.load(meta + 1, mask=ok, other=0)
+    weights_at = tl.load(meta + 3, mask=ok, other=0)
+    dim = tl.load(meta + 4, mask=ok, other=0)
+    state_at = tl.load(meta + 5, mask=ok, other=0)
     if SCALED:
-        scale = tl.full([BLOCK], 1.0, tl.float32)
-        if WEIGHTED:
-            scale = tl.load(weights_ptr + p, mask=valid, other=0.0)
-        mean = tl.load(features_ptr + f * FEATURE_WORDS + 2, mask=valid, other=0) != 0
-        length = tl.load(offsets_ptr + lo + 1, mask=valid & mean, other=1) - tl.load(
-            offsets_ptr + lo, mask=valid & mean, other=0
-        )
-        scale = tl.where(mean, scale * (1.0 / length.to(tl.float32)), scale)
-        tl.store(scale_ptr + p, scale, mask=inside)
+        mean = tl.load(meta + 2, mask=ok, other=0) != 0
+        # FBGEMM's mean pooling scales each id's gradient by 1 / (the bag's length).
+        bag_scale = tl.where(mean, 1.0 / tl.maximum(length, 1).to(tl.float32), 1.0)
+    j = tl.arange(0, BLOCK_J)
+    for j0 in range(0, tl.max(length), BLOCK_J):
+        valid = ok[:, None] & (j0 + j[None, :] < length[:, None])
+        p = start[:, None] + j0 + j[None, :]
+        ids = tl.load(indices_ptr + p, mask=valid, other=0)
+        tl.store(keys_ptr + p, (first_row[:, None] + ids).to(keys_ptr.dtype.element_ty), mask=valid)
+        tl.store(src_ptr + p, src[:, None] + p * 0, mask=valid)
+        tl.store(where_ptr + p * WHERE_WORDS, weights_at[:, None] + ids * dim[:, None], mask=valid)
+        tl.store(where_ptr + p * WHERE_WORDS + 1, dim[:, None] + p * 0, mask=valid)
+        tl.store(where_ptr + p * WHERE_WORDS + 2, state_at[:, None] + ids, mask=valid)
+        if SCALED:
+            scale = bag_scale[:, None] + tl.zeros([BLOCK_B, BLOCK_J], tl.float32)
+            if WEIGHTED:
+                scale = scale * tl.load(weights_ptr + p, mask=valid, other=0.0)
+            tl.store(scale_ptr + p, scale, mask=valid)
 
 
 _launcher = Launcher(update_keys_kernel)
@@ -143,11 +149,12 @@ def update_keys(
     scaled: bool,
     weighted: bool,
 ) -> None:
-    """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring)."""
+    """Launches ``cdiv(bags, BLOCK_B) + cdiv(N, BLOCK_B * BLOCK_J)`` programs (see the
+    module docstring)."""
     n, bags = indices.numel(), offsets.numel() - 1
     if n == 0:
         return
-    _launcher[(cdiv(n, BLOCK),)](
+    _launcher[(cdiv(bags, BLOCK_B) + cdiv(n, BLOCK_B * BLOCK_J),)](
         offsets,
         indices,
         weights,
@@ -160,12 +167,12 @@ def update_keys(
         bags,
         bags_per_feature,
         pitch,
-        max(bags, 1).bit_length(),
         SENTINEL=sentinel(keys.dtype),
         FEATURE_WORDS=FEATURE_WORDS,
         WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
-        BLOCK=BLOCK,
+        BLOCK_B=BLOCK_B,
+        BLOCK_J=BLOCK_J,
         num_warps=NUM_WARPS,
     )

@@ -331,7 +331,8 @@ CASES = {
                 "WHERE_WORDS": WHERE_WORDS,
                 "SCALED": scaled,
                 "WEIGHTED": w,
-                "BLOCK": 1024,
+                "BLOCK_B": 32,
+                "BLOCK_J": 32,
             }
             for scaled, w in ((False, False), (True, False), (True, True))
         ],

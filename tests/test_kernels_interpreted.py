@@ -786,8 +786,9 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
     empty bags; rows wide enough (``wide``) that a tile takes fewer positions; blocks of
     two (seed 0) or four positions in tiles of two (seed 1), so that most repeated rows
-    cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time;
-    int64 keys and no padding (seed 2). A bad step's record, or an error of the
+    cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time, and
+    ``update_keys`` takes four bags per program, two or four ids at a time; int64 keys and
+    no padding (seed 2). A bad step's record, or an error of the
     transport, leaves weights and optimizer state as they were, and the step's verdict is
     taken once: an error recorded after ``step_verdict`` does not split the update."""
     from torchrec_pgas.kernels import row_step
@@ -796,6 +797,9 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         monkeypatch.setattr(k.row_update, "TILE", 32)
         monkeypatch.setattr(k.row_update, "BLOCK", 2 * (seed + 1))
         monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
+        # Keys of several programs' bags, each bag's ids a few at a time.
+        monkeypatch.setattr(k.update_keys, "BLOCK_B", 4)
+        monkeypatch.setattr(k.update_keys, "BLOCK_J", 2 * (seed + 1))
     dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
@@ -926,6 +930,51 @@ def _as_on_gpu(tbe):
             tbe.momentum1_dev = torch.nn.Parameter(tbe.momentum1_host.detach().clone(), requires_grad=False)
             tbe.momentum1_host = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     return tbe
+
+
+@_interpreted
+@pytest.mark.parametrize("weighted,mean", [(False, False), (True, False), (False, True)])
+def test_update_keys_of_long_and_empty_bags(k, weighted, mean, monkeypatch):
+    """``update_keys`` against a Python reference, position by position: bags of 0 to 70
+    ids over several programs (8 bags each, 16 ids at a time), two features sharing a
+    table, a padded capacity past the ids (the sentinel)."""
+    monkeypatch.setattr(k.update_keys, "BLOCK_B", 8)
+    monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
+    g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
+    F, B, pitch = 3, 11, 40
+    # Per feature: first row, column, mean, weights offset, dim, state offset (features 0
+    # and 2 share a table).
+    features = torch.tensor(
+        [[0, 0, int(mean), 0, 8, 0], [100, 8, int(mean), 800, 16, 100], [0, 24, int(mean), 0, 8, 0]],
+        dtype=torch.int64,
+    )
+    lengths = torch.randint(0, 71, (F * B,), generator=g)
+    lengths[torch.rand(F * B, generator=g) < 0.3] = 0
+    offsets = _offsets(lengths)
+    total, n = int(offsets[-1]), int(offsets[-1]) + 29
+    indices = torch.randint(0, 100, (n,), generator=g)
+    weights = torch.rand(n, generator=g) + 0.5
+    keys = torch.full((n,), -7, dtype=torch.int32)
+    src = torch.full((n,), -7, dtype=torch.int64)
+    scale = torch.full((n,), float("nan"))
+    where = torch.full((n, k.update_keys.WHERE_WORDS), -7, dtype=torch.int64)
+    scaled = weighted or mean
+    k.update_keys.update_keys(
+        offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, where, B, pitch,
+        scaled, weighted,
+    )  # fmt: skip
+    assert bool((keys[total:] == k.update_keys.sentinel(torch.int32)).all())
+    for bag in range(F * B):
+        f, row = divmod(bag, B)
+        first, col, _, w_at, dim, s_at = features[f].tolist()
+        lo, hi = int(offsets[bag]), int(offsets[bag + 1])
+        for p in range(lo, hi):
+            i = int(indices[p])
+            assert (int(keys[p]), int(src[p])) == (first + i, row * pitch + col), (bag, p)
+            assert where[p].tolist() == [w_at + i * dim, dim, s_at + i], (bag, p)
+            if scaled:
+                expected = float(weights[p]) if weighted else float(torch.tensor(1.0) / (hi - lo))
+                assert float(scale[p]) == expected, (bag, p)
 
 
 @_interpreted
