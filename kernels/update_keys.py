@@ -6,8 +6,9 @@ The index tensor has a fixed capacity (a captured step cannot size it by the bat
 positions past the last bag's end hold no id and get the sentinel, which sorts last.
 The first ``cdiv(bags, BLOCK_B)`` programs take ``BLOCK_B`` bags each (a bag's feature,
 column and mean pooling are the same for all its ids) and walk their ids ``BLOCK_J`` at
-a time, so that no position searches for its bag; the other ``cdiv(N, BLOCK_B *
-BLOCK_J)`` programs put the sentinel past the ids. Per position, they write:
+a time, so that no position searches for its bag (a bag of thousands of ids makes its
+program loop that many times over ``BLOCK_J``); the other ``cdiv(N, BLOCK_B * BLOCK_J)``
+programs put the sentinel past the ids. Per position, they write:
 
 * its key, the row in the group's rows (FBGEMM's ``hash_size_cumsum`` of the feature's
   table plus the id: distinct for distinct rows, equal for features sharing a table);
@@ -117,8 +118,8 @@ def update_keys_kernel(
         bag_scale = tl.where(mean, 1.0 / tl.maximum(length, 1).to(tl.float32), 1.0)
     j = tl.arange(0, BLOCK_J)
     for j0 in range(0, tl.max(length), BLOCK_J):
-        valid = ok[:, None] & (j0 + j[None, :] < length[:, None])
         p = start[:, None] + j0 + j[None, :]
+        valid = ok[:, None] & (j0 + j[None, :] < length[:, None]) & (p < n)
         ids = tl.load(indices_ptr + p, mask=valid, other=0)
         tl.store(keys_ptr + p, (first_row[:, None] + ids).to(keys_ptr.dtype.element_ty), mask=valid)
         tl.store(src_ptr + p, src[:, None] + p * 0, mask=valid)

@@ -413,6 +413,14 @@ CASES = {
         ],
     ),
 }
+# Groups of more rows than the int32 sentinel key by int64.
+for _name in ("update_keys", "sort_order"):
+    _kernel, _signature, _variants = CASES[_name]
+    CASES[f"{_name}_int64_keys"] = (
+        _kernel,
+        {**_signature, "keys_ptr": "*i64"},
+        [{**_variants[-1], "SENTINEL": 2**63 - 1}],
+    )
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
     CASES[f"lookup_put_{_table}_to_{_out}"] = (
         lookup_put_kernel,

@@ -856,8 +856,12 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         if err_after_verdict is not None:
             err.copy_(err_after_verdict)
         sorted_keys, order = torch.sort(keys, stable=True)
-        src, where = src[order], where[order]
-        scale = scale[order] if scaled else scale
+        # In the sort's order as ``FusedUpdate.prepare`` puts them, poisoned past the ids:
+        # the update must read nothing there.
+        sorted_src, sorted_where = torch.full_like(src, -(2**40)), torch.full_like(where, -(2**40))
+        sorted_scale = torch.full_like(scale, float("nan"))
+        k.sort_order.sort_order(sorted_keys, order, src, scale, where, sorted_src, sorted_scale, sorted_where, scaled)
+        src, where, scale = sorted_src, sorted_where, sorted_scale if scaled else scale
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
@@ -933,11 +937,13 @@ def _as_on_gpu(tbe):
 
 
 @_interpreted
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted,mean", [(False, False), (True, False), (False, True)])
-def test_update_keys_of_long_and_empty_bags(k, weighted, mean, monkeypatch):
+def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkeypatch):
     """``update_keys`` against a Python reference, position by position: bags of 0 to 70
     ids over several programs (8 bags each, 16 ids at a time), two features sharing a
-    table, a padded capacity past the ids (the sentinel)."""
+    table, a padded capacity past the ids (the sentinel; with int64 keys, offsets that
+    start past 0 too), where nothing but the key is written."""
     monkeypatch.setattr(k.update_keys, "BLOCK_B", 8)
     monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
     g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
@@ -950,11 +956,11 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, monkeypatch):
     )
     lengths = torch.randint(0, 71, (F * B,), generator=g)
     lengths[torch.rand(F * B, generator=g) < 0.3] = 0
-    offsets = _offsets(lengths)
-    total, n = int(offsets[-1]), int(offsets[-1]) + 29
+    offsets = _offsets(lengths) + (5 if key_dtype == torch.int64 else 0)
+    first_id, total, n = int(offsets[0]), int(offsets[-1]), int(offsets[-1]) + 29
     indices = torch.randint(0, 100, (n,), generator=g)
     weights = torch.rand(n, generator=g) + 0.5
-    keys = torch.full((n,), -7, dtype=torch.int32)
+    keys = torch.full((n,), -7, dtype=key_dtype)
     src = torch.full((n,), -7, dtype=torch.int64)
     scale = torch.full((n,), float("nan"))
     where = torch.full((n, k.update_keys.WHERE_WORDS), -7, dtype=torch.int64)
@@ -963,7 +969,9 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, monkeypatch):
         offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, where, B, pitch,
         scaled, weighted,
     )  # fmt: skip
-    assert bool((keys[total:] == k.update_keys.sentinel(torch.int32)).all())
+    no_id = torch.cat([torch.arange(first_id), torch.arange(total, n)])
+    assert bool((keys[no_id] == k.update_keys.sentinel(key_dtype)).all())
+    assert bool((src[no_id] == -7).all() and (where[no_id] == -7).all() and scale[no_id].isnan().all())
     for bag in range(F * B):
         f, row = divmod(bag, B)
         first, col, _, w_at, dim, s_at = features[f].tolist()
