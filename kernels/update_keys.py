@@ -114,8 +114,10 @@ def update_keys_kernel(
     state_at = tl.load(meta + 5, mask=ok, other=0)
     if SCALED:
         mean = tl.load(meta + 2, mask=ok, other=0) != 0
-        # FBGEMM's mean pooling scales each id's gradient by 1 / (the bag's length).
-        bag_scale = tl.where(mean, 1.0 / tl.maximum(length, 1).to(tl.float32), 1.0)
+        # FBGEMM's mean pooling scales each id's gradient by 1 / (the bag's length), an
+        # IEEE division (Triton's ``/`` is an approximate one).
+        one = tl.full([BLOCK_B], 1.0, tl.float32)
+        bag_scale = tl.where(mean, tl.math.div_rn(one, tl.maximum(length, 1).to(tl.float32)), 1.0)
     j = tl.arange(0, BLOCK_J)
     for j0 in range(0, tl.max(length), BLOCK_J):
         p = start[:, None] + j0 + j[None, :]

@@ -118,19 +118,30 @@ def test_shared_gpu_put_path_forward_matches_host_and_reference(world_size):
     run_ranks(_forward, world_size, options=PUTS, deadline_s=DEADLINE_S)
 
 
-def _train(rank, world_size, owners, row_wise, batch_sizes, options=DIRECT):
+def _train(rank, world_size, owners, row_wise, batch_sizes, options=DIRECT, **batches):
     for optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
-        _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options)
+        _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options, **batches)
 
 
-def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options):
-    tables = make_tables(len(owners), seed=7)
+def _train_with(
+    rank,
+    world_size,
+    owners,
+    row_wise,
+    batch_sizes,
+    optimizer,
+    options,
+    pooling=PoolingType.SUM,
+    weighted=False,
+    max_len=4,
+):
+    tables = make_tables(len(owners), seed=7, pooling=pooling)
     torch.manual_seed(7)
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
     placement = _placement(tables, owners, row_wise)
-    ref, gpu, host = _pair(rank, world_size, tables, placement, False, fused, options=options)
+    ref, gpu, host = _pair(rank, world_size, tables, placement, weighted, fused, options=options)
     for step in range(5):
-        kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank)
+        kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank, weighted, max_len)
         outs = []
         for model, dev in ((gpu, GPU), (host, torch.device("cpu"))):
             kt = model(kjt.to(dev)).to_dict()
@@ -152,6 +163,28 @@ def _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, opti
 def test_shared_gpu_training_matches_host(world_size):
     owners = [o % world_size for o in (0, 1, 1, 0)]
     run_ranks(_train, world_size, owners=owners, row_wise=("t2",), batch_sizes=[24, 7], deadline_s=DEADLINE_S)
+
+
+#: (pooling, weighted, longest bag): the fused update's gradient scales (mean pooling,
+#: per-sample weights) and bags longer than ``update_keys`` takes at once.
+SCALED_TRAINING = [(PoolingType.MEAN, False, 40), (PoolingType.SUM, True, 70)]
+
+
+@pytest.mark.parametrize("pooling,weighted,max_len", SCALED_TRAINING)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_shared_gpu_training_of_scaled_and_long_bags_matches_host(world_size, pooling, weighted, max_len):
+    owners = [o % world_size for o in (0, 1, 1, 0)]
+    run_ranks(
+        _train,
+        world_size,
+        owners=owners,
+        row_wise=("t2",),
+        batch_sizes=[40, 33],
+        pooling=pooling,
+        weighted=weighted,
+        max_len=max_len,
+        deadline_s=DEADLINE_S,
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
