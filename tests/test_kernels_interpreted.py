@@ -1064,9 +1064,9 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     bad[0] = int(Status.OVER_CAPACITY)
     before = [t.weights_dev.clone() for t in ours]
     prepared = update.prepare(groups, kjts, B, grad.shape[1])
-    update.apply(groups, prepared, grad, bad, err, S)
+    update.apply(groups, prepared, grad, grad.shape[1], bad, err, S)
     assert all(torch.equal(t.weights_dev, w) for t, w in zip(ours, before))
-    update.apply(groups, prepared, grad, record, err, S)
+    update.apply(groups, prepared, grad, grad.shape[1], record, err, S)
     col = 0
     for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
         ref(values, offsets).backward(grad[:, col : col + width])

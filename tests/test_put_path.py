@@ -346,8 +346,8 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
         calls.append(("prepare", groups, kjts, bags_per_feature, pitch))
         return ["sorted"]
 
-    def apply(groups, prepared, grad, record, err, num_sources):
-        calls.append(("apply", groups, prepared, tuple(grad.shape), num_sources))
+    def apply(groups, prepared, grad, pitch, record, err, num_sources):
+        calls.append(("apply", groups, prepared, tuple(grad.shape), pitch, num_sources))
 
     exchange._update.prepare, exchange._update.apply = prepare, apply
     buffers, cap = exchange._buffers, exchange._layout.batch_capacity
@@ -359,7 +359,9 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
     assert out.shape == (world_size * cap, dims[rank]) and out.requires_grad
     assert calls == ["lookup_put", ("prepare", ["group"], ids, world_size * cap, dims[rank])], calls
     out.backward(torch.ones(out.shape))
-    assert calls[2:] == [("apply", ["group"], ["sorted"], (world_size * cap, dims[rank]), world_size)], calls
+    assert calls[2:] == [("apply", ["group"], ["sorted"], (world_size * cap, dims[rank]), dims[rank], world_size)], (
+        calls
+    )
     exchange.close()
 
 

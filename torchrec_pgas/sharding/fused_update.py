@@ -85,14 +85,13 @@ def _qualifies(tbe: Any, weighted: bool) -> bool:
 class SortedIds:
     """One lookup group's ids of a step as its update reads them (``prepare``): the
     stable sort of their row keys, and in that order each one's gradient row (an offset
-    in a gradient of rows of ``pitch`` elements), scale and row (see
+    in the gradient, rows of the pitch ``prepare`` was given), scale and row (see
     ``kernels/update_keys``)."""
 
     keys: torch.Tensor
     src: torch.Tensor
     scale: torch.Tensor
     where: torch.Tensor
-    pitch: int
 
 
 class FusedUpdate:
@@ -140,6 +139,10 @@ class FusedUpdate:
         self._tbes, self._groups = tbes, groups
         return groups
 
+    def _scaled(self, group: GroupUpdate) -> bool:
+        """Whether the group's gradient rows are scaled (per-sample weights, mean pooling)."""
+        return self._weighted or group.mean
+
     def prepare(
         self, groups: Sequence[GroupUpdate], kjts: Sequence[KeyedJaggedTensor], bags_per_feature: int, pitch: int
     ) -> List[SortedIds]:
@@ -151,7 +154,7 @@ class FusedUpdate:
         prepared = []
         for group, kjt in zip(groups, kjts):
             indices, offsets = kjt.values(), kjt.offsets()
-            n, scaled, dev = indices.numel(), self._weighted or group.mean, indices.device
+            n, scaled, dev = indices.numel(), self._scaled(group), indices.device
             keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
@@ -172,11 +175,7 @@ class FusedUpdate:
             )
             keys, order = torch.sort(keys, stable=True)
             ids = SortedIds(
-                keys,
-                torch.empty_like(src),
-                torch.empty_like(scale) if scaled else scale,
-                torch.empty_like(where),
-                pitch,
+                keys, torch.empty_like(src), torch.empty_like(scale) if scaled else scale, torch.empty_like(where)
             )
             sort_order(keys, order, src, scale, where, ids.src, ids.scale, ids.where, scaled)
             prepared.append(ids)
@@ -187,18 +186,18 @@ class FusedUpdate:
         groups: Sequence[GroupUpdate],
         prepared: Sequence[SortedIds],
         grad: torch.Tensor,
+        pitch: int,
         record: torch.Tensor,
         err: torch.Tensor,
         num_sources: int,
     ) -> None:
         """Applies each group's update for one step: ``prepared`` are its sorted ids
-        (``prepare``), ``grad`` the gradient of the owner's lookup output, ``record`` the
-        step's record and ``err`` the transport's error record."""
+        (``prepare``, given ``pitch``), ``grad`` the gradient of the owner's lookup output,
+        ``record`` the step's record and ``err`` the transport's error record."""
         if not prepared:
             return
-        pitches = {ids.pitch for ids in prepared}
-        if grad.dim() != 2 or pitches - {grad.shape[1]}:
-            raise ValueError(f"the lookup output's gradient is {list(grad.shape)}, expected rows of {pitches}")
+        if grad.dim() != 2 or grad.shape[1] != pitch:
+            raise ValueError(f"the lookup output's gradient is {list(grad.shape)}, expected rows of {pitch}")
         grad = grad.contiguous()  # the kernels read rows of the pitch the keys were given
         verdict = torch.empty(1, dtype=torch.int64, device=grad.device)
         step_verdict(record, err, verdict, num_sources)
@@ -227,7 +226,7 @@ class FusedUpdate:
                 group.max_dim,
                 group.optim,
                 *hyper,
-                self._weighted or group.mean,
+                self._scaled(group),
             )
             run_update(
                 ids.keys,
@@ -250,6 +249,7 @@ class PendingUpdate:
     update: FusedUpdate
     groups: List[GroupUpdate]
     prepared: List[SortedIds]
+    pitch: int  # of the lookup output's gradient rows, as ``prepare`` was given it
     record: torch.Tensor
     err: torch.Tensor  # the transport's error record
     num_sources: int
@@ -261,7 +261,7 @@ class PendingUpdate:
         return _UpdateInBackward.apply(anchor, stand_in, self)
 
     def apply(self, grad: torch.Tensor) -> None:
-        self.update.apply(self.groups, self.prepared, grad, self.record, self.err, self.num_sources)
+        self.update.apply(self.groups, self.prepared, grad, self.pitch, self.record, self.err, self.num_sources)
 
 
 class _UpdateInBackward(torch.autograd.Function):

@@ -272,8 +272,11 @@ class DeviceTwExchange(DeviceTwSetup):
         if updates is None:
             return self._no_rows
         ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
-        prepared = self._update.prepare(updates, ids, batch.bags_per_feature, self._all_rows.shape[1])
-        update = PendingUpdate(self._update, updates, prepared, batch.route.record, buffers.err, self._t.world_size)
+        pitch = self._all_rows.shape[1]
+        prepared = self._update.prepare(updates, ids, batch.bags_per_feature, pitch)
+        update = PendingUpdate(
+            self._update, updates, prepared, pitch, batch.route.record, buffers.err, self._t.world_size
+        )
         return update.output(self._all_rows)
 
     def _agreed_updates(self, emb_modules: Sequence[Any]) -> Optional[List[GroupUpdate]]:
