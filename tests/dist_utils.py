@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -32,13 +34,32 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, k
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
-    fn(rank=rank, world_size=world_size, **kwargs)
+    try:
+        fn(rank=rank, world_size=world_size, **kwargs)
+    except BaseException:
+        # Leave at once with the traceback on file: a normal exit runs NVSHMEM's and
+        # gloo's teardown, which can wait forever for the ranks still in the test, so
+        # the failure would be reported as a hang (and without its cause).
+        with open(f"{store}.rank{rank}.err", "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
     dist.barrier()
     # Every rank got here: leave without tearing gloo down. Teardown during interpreter
     # finalization has aborted processes ("terminate called without an active
     # exception"; see torchrec_pgas.transport._close_all), and a test's verdict must
     # not depend on it.
     os._exit(0)
+
+
+def _rank_errors(store: str, world_size: int) -> str:
+    """The tracebacks that ranks of the run at ``store`` left, rank by rank."""
+    found = []
+    for rank in range(world_size):
+        path = f"{store}.rank{rank}.err"
+        if os.path.exists(path):
+            with open(path) as f:
+                found.append(f"--- rank {rank} ---\n{f.read()}")
+    return "\n".join(found)
 
 
 #: The DLRM example's scripts.
@@ -74,18 +95,32 @@ def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", deadline_s: 
     # A file store, not a TCP port: a free port found here may be taken (by NCCL or
     # NVSHMEM of the test before) by the time rank 0 listens on it.
     with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, os.path.join(tmp, "store"), backend, kwargs),
+            args=(fn, world_size, store, backend, kwargs),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
         end = time.monotonic() + deadline_s
-        while not ctx.join(timeout=max(1.0, end - time.monotonic())):
-            if time.monotonic() >= end:
+        while True:
+            try:
+                if ctx.join(timeout=1.0):
+                    return
+            except mp.ProcessExitedException as e:
+                errors = _rank_errors(store, world_size)
+                if not errors:
+                    raise
+                # join() has terminated the other ranks already.
+                raise AssertionError(f"{fn.__name__} failed:\n{errors}") from e
+            errors = _rank_errors(store, world_size)
+            if errors or time.monotonic() >= end:
                 for p in ctx.processes:
                     p.kill()
+                if errors:
+                    # The ranks that did not fail wait for the one that did.
+                    raise AssertionError(f"{fn.__name__} failed:\n{errors}")
                 raise TimeoutError(f"{fn.__name__}: ranks still running after {deadline_s} s (a hang)")
 
 
@@ -271,6 +306,74 @@ def reference_pooled(
             name = f if uses[f] == 1 else f"{f}@{t.name}"
             out[name] = torch.stack(rows) if rows else table.new_zeros(0, t.embedding_dim)
     return out
+
+
+class Float64Training:
+    """The float64 oracle of a training run: the unsharded tables in float64, trained
+    on every rank's batch at once with FBGEMM's update rule (``EXACT_SGD``, or
+    ``EXACT_ROWWISE_ADAGRAD``: a row's mean squared gradient added to its momentum,
+    then the gradient over the square root plus ``eps``), for the loss
+    ``sum(pooled * upstream)`` over every rank's pooled outputs, divided by the
+    number of ranks where TorchRec divides (``comm_ops.get_gradient_division()``, on
+    by default, so that sparse gradients are averaged as DDP averages dense ones).
+    Pooling as :func:`reference_pooled`, gradients by autograd through it."""
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        state_dict: Dict[str, torch.Tensor],
+        optimizer: Any,
+        learning_rate: float,
+        eps: float,
+        row_wise: Sequence[str] = (),
+    ) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        assert optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD), optimizer
+        self.tables, self.row_wise = tables, row_wise
+        self.adagrad = optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        self.lr, self.eps = learning_rate, eps
+        self.weights = {k: v.detach().double().clone() for k, v in state_dict.items()}
+        self.momentum = {k: torch.zeros(v.shape[0], dtype=torch.float64) for k, v in self.weights.items()}
+
+    def step(
+        self,
+        batches: Sequence[KeyedJaggedTensor],
+        upstream: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]],
+    ) -> List[Dict[str, torch.Tensor]]:
+        """Each rank's batch's pooled outputs before the update (``batches[r]`` is rank
+        r's), then one update by the gradient of the loss over all of them;
+        ``upstream(pooled)`` gives the loss's gradient for a batch's pooled outputs."""
+        leaves = {k: v.clone().requires_grad_() for k, v in self.weights.items()}
+        outs = [reference_pooled(self.tables, leaves, kjt, self.row_wise) for kjt in batches]
+        terms = [(o[k] * u.double()).sum() for o in outs for k, u in upstream(o).items() if o[k].requires_grad]
+        if terms:
+            loss = sum(terms) / (len(batches) if get_gradient_division() else 1)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            for (name, w), g in zip(self.weights.items(), grads):
+                if g is None:
+                    continue
+                if self.adagrad:
+                    self.momentum[name] += (g * g).mean(1)
+                    g = g / (self.momentum[name].sqrt() + self.eps)[:, None]
+                w -= self.lr * g
+        return [{k: v.detach() for k, v in o.items()} for o in outs]
+
+
+def assert_as_close_as(
+    actual: Dict[str, torch.Tensor], control: Dict[str, torch.Tensor], exact: Dict[str, torch.Tensor], floor: float
+) -> None:
+    """``actual`` is no further from the float64 ``exact`` than four times ``control``
+    (the same computation in float32 by other kernels), or than ``floor``: float32
+    sums in another order part by amounts that grow with the number of terms and their
+    cancellation, which no fixed tolerance between the two bounds."""
+    assert sorted(actual) == sorted(exact) == sorted(control)
+    for k, e in exact.items():
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        off = float((actual[k].cpu().double() - e).abs().max()) if e.numel() else 0.0
+        off_control = float((control[k].cpu().double() - e).abs().max()) if e.numel() else 0.0
+        assert off_control <= 1e-3 * scale, f"{k}: the control is {off_control:.3g} from float64"
+        assert off <= max(4 * off_control, floor * scale), f"{k}: {off:.3g} from float64, the control {off_control:.3g}"
 
 
 def assert_close_to_reference(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:

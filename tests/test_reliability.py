@@ -7,6 +7,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 import types
 
@@ -609,3 +610,18 @@ def _nvshmem_left_as_found(rank, world_size, failure):
 @pytest.mark.parametrize("failure", ["init", "peer access"])
 def test_nvshmem_that_fails_to_start_is_left_as_found(failure):
     run_ranks(_nvshmem_left_as_found, 2, failure=failure)
+
+
+def _fail_while_the_others_wait(rank, world_size):
+    if rank == world_size - 1:
+        raise ValueError(f"wrong on rank {rank}")
+    dist.barrier()  # waits for the failed rank forever
+
+
+def test_run_ranks_reports_a_failed_rank_at_once_with_its_traceback():
+    """The harness itself: a rank that raises while the others wait for it fails the
+    test with that rank's traceback, long before the deadline (not as a hang)."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="wrong on rank 2"):
+        run_ranks(_fail_while_the_others_wait, 3, deadline_s=120)
+    assert time.monotonic() - start < 60

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import (
+    Float64Training,
     assert_close_to_reference,
     assert_same_kt,
     make_tables,
@@ -111,27 +112,37 @@ def test_forward_skips_torchrec_steps_unless_their_hooks_are_set():
 
 
 def _train(rank, world_size, optimizer, owners, batch_sizes):
+    """Bit for bit TorchRec's ``table_wise``; both near the float64 oracle (which
+    checks the oracle that the GPU tests use)."""
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
     tables = make_tables(len(owners), seed=7)
     ref, pgas, tw = _models(world_size, tables, owners, False, seed=7, fused_params=fused)
+    exact = Float64Training(tables, ref.state_dict(), optimizer, 0.1, 1e-3)
     for step in range(5):
-        kjt = random_kjt(tables, batch_sizes[rank], 100 * step + rank)
-        g = torch.Generator().manual_seed(step)
+        batches = [random_kjt(tables, batch_sizes[r], 100 * step + r) for r in range(world_size)]
         outs = []
         for model in (pgas, tw):
-            kt = model(kjt).to_dict()
-            loss = sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt))
+            kt = model(batches[rank]).to_dict()
+            loss = sum((kt[k] * u).sum() for k, u in _upstream(kt, step).items())
             loss.backward()
-            g.manual_seed(step)
             outs.append({k: v.detach() for k, v in kt.items()})
         for k in outs[1]:
             assert torch.equal(outs[0][k], outs[1][k]), (step, k)
+        expected = exact.step(batches, lambda pooled: _upstream(pooled, step))
+        assert_close_to_reference(outs[1], expected[rank])
     like = ref.state_dict()
     w_pgas = gather_unsharded_state_dict(pgas, like, prefix="ebc.")
     w_tw = gather_unsharded_state_dict(tw, like, prefix="ebc.")
     for name in w_tw:
         assert torch.equal(w_pgas[name], w_tw[name]), name
         assert not torch.equal(w_pgas[name], like[name]), f"{name} was not trained"
+    assert_close_to_reference(w_tw, exact.weights)
+
+
+def _upstream(pooled, step):
+    """The loss's gradient for each feature's pooled rows at ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {k: torch.randn(pooled[k].shape, generator=g) for k in sorted(pooled)}
 
 
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
