@@ -25,7 +25,8 @@ in batch order) and:
 
 Nothing is updated for a bad step: ``verdict`` (``step_verdict``) says so once for every
 launch of the step, so that an error the transport records meanwhile cannot update part
-of a step.
+of a step. A block of sentinel keys (past the batch's ids) ends at its first key: the
+grid covers the index tensor's capacity, often twice the ids.
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
@@ -54,7 +55,7 @@ from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 #: The elements of a program's tile (``ROWS`` positions of ``BLOCK_D``), at least
 #: ``MIN_ROWS`` positions; sorted positions per block (``partial`` holds two rows per
 #: block), at least a tile's.
-TILE = 1024
+TILE = 512
 MIN_ROWS = 1
 BLOCK = 32
 NUM_WARPS = 1
@@ -136,54 +137,59 @@ def row_update_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     begin, end, first, continued, following = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
-    for t in range(BLOCK // ROWS):
-        p = begin + t * ROWS + r
-        key = tl.load(keys_ptr + p, mask=p < end, other=SENTINEL)
-        before = tl.load(keys_ptr + p - 1, mask=(p > begin) & (p < end), other=SENTINEL)
-        after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
-        began_before = continued & (key == first)
-        start = (key != SENTINEL) & good & ((p == begin) | (key != before))
-        whole = start & ~began_before & (key != following)
+    # Blocks past the batch's ids (sentinel keys only: the sort put them last; the
+    # capacity is often twice the ids) end here rather than read their positions.
+    if good & (first != SENTINEL):
+        for t in range(BLOCK // ROWS):
+            p = begin + t * ROWS + r
+            key = tl.load(keys_ptr + p, mask=p < end, other=SENTINEL)
+            before = tl.load(keys_ptr + p - 1, mask=(p > begin) & (p < end), other=SENTINEL)
+            after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
+            began_before = continued & (key == first)
+            start = (key != SENTINEL) & ((p == begin) | (key != before))
+            whole = start & ~began_before & (key != following)
 
-        at, dim, state_at = row_where(where_ptr, p, start, WHERE_WORDS)
-        inside = start[:, None] & (d[None, :] < dim[:, None])
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        j = p
-        live = start
-        while tl.max(live.to(tl.int32), axis=0) > 0:
-            src = tl.load(src_ptr + j, mask=live, other=0)
-            if GRAD_ALIGNED:
-                src = tl.multiple_of(src, 4)
-            g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=live[:, None] & inside, other=0.0)
-            g = g.to(tl.float32)
-            if SCALED:
-                g = g * tl.load(scale_ptr + j, mask=live, other=0.0)[:, None]
-            acc += g
-            # (The first occurrence's successor was read with the keys: most rows stop there.)
-            j += 1
-            second = (j == p + 1) & (after == key)
-            later = tl.load(keys_ptr + j, mask=live & (j > p + 1) & (j < end), other=SENTINEL) == key
-            live = live & (j < end) & (second | later)
+            at, dim, state_at = row_where(where_ptr, p, start, WHERE_WORDS)
+            inside = start[:, None] & (d[None, :] < dim[:, None])
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            j = p
+            live = start
+            while tl.max(live.to(tl.int32), axis=0) > 0:
+                src = tl.load(src_ptr + j, mask=live, other=0)
+                if GRAD_ALIGNED:
+                    src = tl.multiple_of(src, 4)
+                g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=live[:, None] & inside, other=0.0)
+                g = g.to(tl.float32)
+                if SCALED:
+                    g = g * tl.load(scale_ptr + j, mask=live, other=0.0)[:, None]
+                acc += g
+                # (The first occurrence's successor was read with the keys: most rows stop there.)
+                j += 1
+                second = (j == p + 1) & (after == key)
+                later = tl.load(keys_ptr + j, mask=live & (j > p + 1) & (j < end), other=SENTINEL) == key
+                live = live & (j < end) & (second | later)
 
-        w_ptr = table_ptr + at[:, None] + d[None, :]
-        w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
-        w = row_step(
-            w,
-            acc,
-            dim,
-            whole,
-            state_ptr,
-            state_at,
-            learning_rate,
-            eps,
-            weight_decay,
-            weight_decay_mode,
-            OPTIM,
-        )
-        tl.store(w_ptr, w, mask=whole[:, None] & inside)
-        partial_at = 2 * b + (~began_before).to(tl.int64)
-        crossing = start & ~whole
-        tl.store(partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], acc, mask=crossing[:, None] & inside)
+            w_ptr = table_ptr + at[:, None] + d[None, :]
+            w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
+            w = row_step(
+                w,
+                acc,
+                dim,
+                whole,
+                state_ptr,
+                state_at,
+                learning_rate,
+                eps,
+                weight_decay,
+                weight_decay_mode,
+                OPTIM,
+            )
+            tl.store(w_ptr, w, mask=whole[:, None] & inside)
+            partial_at = 2 * b + (~began_before).to(tl.int64)
+            crossing = start & ~whole
+            tl.store(
+                partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], acc, mask=crossing[:, None] & inside
+            )
 
 
 _launcher = Launcher(row_update_kernel)

@@ -1,8 +1,10 @@
 """The fused sparse update of one lookup group, second launch: the optimizer step
 (``row_step``) of the rows whose sorted occurrences cross blocks of ``row_update``.
 
-Program ``b`` steps the row whose run begins in block ``b`` and goes on past it, if
-there is one (at most one: the block's last): its sum is the block's partial sum
+Program ``p`` checks blocks ``p * BLOCKS ...`` at once and, for each block ``b`` of
+them, steps the row whose run begins in ``b`` and goes on past it, if there is one (at
+most one: the block's last). Most blocks have none: a program per block spent its time
+on the programs' count alone at large batches. The row's sum is the block's partial sum
 (``partial[2 * b + 1]``) plus those of the following blocks the run goes through
 (``partial[2 * c]`` for every block ``c`` that begins with the row, found by a binary
 search of the blocks' first keys), added ``CHUNK`` blocks at a time with no dependent
@@ -31,6 +33,78 @@ from torchrec_pgas.kernels.row_update import TILE, block_edges, block_positions,
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 
 NUM_WARPS = 1
+#: Blocks of ``row_update`` a program checks at once (a power of 2).
+BLOCKS = 8
+
+
+@triton.jit
+def _step_run(
+    b,
+    keys_ptr,
+    where_ptr,
+    table_ptr,
+    state_ptr,
+    partial_ptr,
+    n,
+    blocks,
+    search_steps,
+    learning_rate,
+    eps,
+    weight_decay,
+    weight_decay_mode,
+    OPTIM: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    WHERE_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTIAL_PITCH: tl.constexpr,
+):
+    """Steps the row whose run begins in block ``b`` and goes on past it (``b`` owns one)."""
+    d = tl.arange(0, BLOCK_D)
+    one = tl.arange(0, 1).to(tl.int64)
+    _, end, _, _, _ = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
+    last = end - 1 + one
+    key = tl.load(keys_ptr + last)
+    # True (the block owns a run); a mask of loaded data keeps row accesses vectorized.
+    owner = key != SENTINEL
+    # The last block that begins with the row (block b + 1 does).
+    lo = b + 1 + one
+    hi = lo * 0 + blocks - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == key
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
+    inside = owner[:, None] & (d[None, :] < dim[:, None])
+    acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
+    c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
+    run_end = tl.max(lo, axis=0)
+    for _ in range(b + 1, run_end + 1, CHUNK):
+        part = tl.load(
+            partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
+            mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
+            other=0.0,
+        )
+        acc += tl.sum(part, axis=0)[None, :]
+        c += CHUNK
+    w_ptr = table_ptr + at[:, None] + d[None, :]
+    w = tl.load(w_ptr, mask=inside, other=0.0)
+    w = row_step(
+        w,
+        acc,
+        dim,
+        owner,
+        state_ptr,
+        state_at,
+        learning_rate,
+        eps,
+        weight_decay,
+        weight_decay_mode,
+        OPTIM,
+    )
+    tl.store(w_ptr, w, mask=inside)
 
 
 @triton.jit(do_not_specialize=["n", "blocks", "search_steps", "weight_decay_mode"])
@@ -52,56 +126,49 @@ def run_update_kernel(
     SENTINEL: tl.constexpr,
     WHERE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTIAL_PITCH: tl.constexpr,
 ):
     good = tl.load(verdict_ptr) == 0
-    b = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    one = tl.arange(0, 1).to(tl.int64)
-    _, end, first, continued, following = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
-    last = end - 1 + one
-    key = tl.load(keys_ptr + last)
-    owner = (key != SENTINEL) & (following == key) & ~(continued & (key == first)) & good
-    if tl.max(owner.to(tl.int32), axis=0) > 0:
-        # The last block that begins with the row (block b + 1 does).
-        lo = b + 1 + one
-        hi = lo * 0 + blocks - 1
-        for _ in range(search_steps):
-            mid = (lo + hi + 1) // 2
-            up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == key
-            lo = tl.where(up, mid, lo)
-            hi = tl.where(up, hi, mid - 1)
-        at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
-        inside = owner[:, None] & (d[None, :] < dim[:, None])
-        acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
-        c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
-        run_end = tl.max(lo, axis=0)
-        for _ in range(b + 1, run_end + 1, CHUNK):
-            part = tl.load(
-                partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
-                mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
-                other=0.0,
-            )
-            acc += tl.sum(part, axis=0)[None, :]
-            c += CHUNK
-        w_ptr = table_ptr + at[:, None] + d[None, :]
-        w = tl.load(w_ptr, mask=inside, other=0.0)
-        w = row_step(
-            w,
-            acc,
-            dim,
-            owner,
-            state_ptr,
-            state_at,
-            learning_rate,
-            eps,
-            weight_decay,
-            weight_decay_mode,
-            OPTIM,
-        )
-        tl.store(w_ptr, w, mask=inside)
+    # Which of the program's blocks own a run (their last key goes on into the next
+    # block and did not come from the previous one), all read at once: most own none.
+    first_block = tl.program_id(0).to(tl.int64) * BLOCKS
+    g = first_block + tl.arange(0, BLOCKS)
+    begin = g * BLOCK
+    end = tl.minimum(begin + BLOCK, n)
+    there = begin < n
+    first = tl.load(keys_ptr + begin, mask=there, other=SENTINEL)
+    before = tl.load(keys_ptr + begin - 1, mask=there & (g > 0), other=SENTINEL)
+    key = tl.load(keys_ptr + end - 1, mask=there, other=SENTINEL)
+    following = tl.load(keys_ptr + end, mask=there & (end < n), other=SENTINEL)
+    owners = there & (key != SENTINEL) & (following == key) & ~((before == first) & (key == first)) & good
+    if tl.max(owners.to(tl.int32), axis=0) > 0:
+        for i in range(BLOCKS):
+            if tl.sum(tl.where(tl.arange(0, BLOCKS) == i, owners.to(tl.int32), 0), axis=0) > 0:
+                _step_run(
+                    first_block + i,
+                    keys_ptr,
+                    where_ptr,
+                    table_ptr,
+                    state_ptr,
+                    partial_ptr,
+                    n,
+                    blocks,
+                    search_steps,
+                    learning_rate,
+                    eps,
+                    weight_decay,
+                    weight_decay_mode,
+                    OPTIM,
+                    SENTINEL,
+                    WHERE_WORDS,
+                    BLOCK,
+                    CHUNK,
+                    BLOCK_D,
+                    PARTIAL_PITCH,
+                )
 
 
 _launcher = Launcher(run_update_kernel)
@@ -121,13 +188,14 @@ def run_update(
     weight_decay: float,
     weight_decay_mode: int,
 ) -> None:
-    """Launches one program per block of ``row_update`` (see the module docstring)."""
+    """Launches one program per ``BLOCKS`` blocks of ``row_update`` (see the module
+    docstring)."""
     n = keys.numel()
     if n == 0:
         return
     block, block_d = block_positions(max_dim), dim_block(max_dim)
     blocks = cdiv(n, block)
-    _launcher[(blocks,)](
+    _launcher[(cdiv(blocks, BLOCKS),)](
         keys,
         where,
         table,
@@ -145,6 +213,7 @@ def run_update(
         SENTINEL=sentinel(keys.dtype),
         WHERE_WORDS=WHERE_WORDS,
         BLOCK=block,
+        BLOCKS=BLOCKS,
         CHUNK=max(1, TILE // block_d),
         BLOCK_D=block_d,
         PARTIAL_PITCH=partial.stride(0),

@@ -405,6 +405,7 @@ CASES = {
                 "SENTINEL": 2**63 - 1,
                 "WHERE_WORDS": WHERE_WORDS,
                 "BLOCK": 32,
+                "BLOCKS": run_update.BLOCKS,
                 "CHUNK": 8,
                 "BLOCK_D": 128,
                 "PARTIAL_PITCH": 128,

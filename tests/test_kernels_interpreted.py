@@ -786,7 +786,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     optimizer state to 1e-6); with features sharing a table, repeated and skewed ids,
     empty bags; rows wide enough (``wide``) that a tile takes fewer positions; blocks of
     two (seed 0) or four positions in tiles of two (seed 1), so that most repeated rows
-    cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time, and
+    cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time (its
+    programs checking one block or four), and
     ``update_keys`` takes four bags per program, two or four ids at a time; int64 keys and
     no padding (seed 2). A bad step's record, or an error of the
     transport, leaves weights and optimizer state as they were, and the step's verdict is
@@ -797,6 +798,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         monkeypatch.setattr(k.row_update, "TILE", 32)
         monkeypatch.setattr(k.row_update, "BLOCK", 2 * (seed + 1))
         monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
+        # A program checks one block, or four (runs owned by several of its blocks).
+        monkeypatch.setattr(k.run_update, "BLOCKS", 1 if seed == 0 else 4)
         # Keys of several programs' bags, each bag's ids a few at a time.
         monkeypatch.setattr(k.update_keys, "BLOCK_B", 4)
         monkeypatch.setattr(k.update_keys, "BLOCK_J", 2 * (seed + 1))
