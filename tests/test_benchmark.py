@@ -390,16 +390,23 @@ def _options_reach_the_sharding(rank: int, world_size: int) -> None:
     assert model.module.ebc._pgas_options == PgasOptions(sparse_update="fbgemm", remote_path="put")
     assert options_record(pgas_options(args)) == {"sparse_update": "fbgemm", "remote_path": "put"}
     assert workload.build(cfg, "pgas_table_wise", cpu, pg).module.ebc._pgas_options == PgasOptions()
+    # The workload's optimizer trains both sides: row-wise Adagrad keeps a momentum per table.
+    adagrad = dataclasses.replace(cfg, optimizer=bench._parse(["--optimizer", "rowwise_adagrad"]).optimizer)
+    for sharding in ("table_wise", "pgas_table_wise", "row_wise", "pgas_row_wise"):
+        for config, state in ((cfg, []), (adagrad, ["momentum1"])):
+            built = workload.build(config, sharding, cpu, pg).fused_optimizer.state_dict()["state"]
+            assert [sorted(k.split(".")[-1] for k in v) for v in built.values()] == [state] * 2, sharding
 
 
 def test_options_reach_our_sharding(capsys):
     """``--sparse-update`` and ``--remote-path`` (defaults: ``PgasOptions``') are the
-    options our side's modules are built with, in the benchmark and its profile; other
-    values are refused."""
+    options our side's modules are built with, in the benchmark and its profile, and
+    ``--optimizer`` trains both sides; other values are refused."""
     assert (bench._parse([]).sparse_update, bench._parse([]).remote_path) == ("fused", "auto")
     assert profile._parse(["--sparse-update", "fbgemm"]).sparse_update == "fbgemm"
     assert profile._parse(["--remote-path", "put"]).remote_path == "put"
-    for bad in (["--sparse-update", "adam"], ["--remote-path", "ib"]):
+    assert bench._parse([]).optimizer == "sgd" and profile._parse(["--optimizer", "rowwise_adagrad"])
+    for bad in (["--sparse-update", "adam"], ["--remote-path", "ib"], ["--optimizer", "adam"]):
         with pytest.raises(SystemExit):
             bench._parse(bad)
         assert f"invalid choice: '{bad[1]}'" in capsys.readouterr().err

@@ -33,6 +33,10 @@ ROW_WISE_ABOVE = 1_000_000
 DEFAULT_SCALE = 0.25
 #: On CPUs: 400k-row largest tables, 1 GB of rows per model at dim 128.
 CPU_SCALE = 0.01
+#: The embeddings' fused optimizers a workload may train with, both sides: FBGEMM's
+#: ``EXACT_SGD``, or ``EXACT_ROWWISE_ADAGRAD`` (MLPerf DLRM v2's, TorchRec's DLRM example
+#: with ``--adagrad``), which also reads and writes each row's optimizer state.
+OPTIMIZERS = ("sgd", "rowwise_adagrad")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,8 @@ class Config:
     ``shape`` "uniform": ``tables`` tables of ``rows`` rows, ``ids_per_bag`` ids per
     sample and table. ``shape`` "dlrm": the 26 tables of ``CRITEO_ROWS`` times
     ``scale`` with the pooling factors ``CRITEO_POOLING`` (``rows`` and
-    ``ids_per_bag`` unused); see ``table_specs``."""
+    ``ids_per_bag`` unused); see ``table_specs``. Training steps update the tables with
+    ``optimizer`` (one of ``OPTIMIZERS``)."""
 
     tables: int = 8
     rows: int = 1_000_000
@@ -54,9 +59,12 @@ class Config:
     ranks: int = 2
     shape: str = "uniform"
     scale: float = 1.0
+    optimizer: str = "sgd"
 
     def label(self) -> str:
         ids = f"zipf {self.zipf_alpha}" if self.zipf_alpha else "uniform"
+        if self.optimizer != "sgd":
+            ids += f", {self.optimizer}"
         if self.shape == "dlrm":
             specs = table_specs(self)
             rows = sorted(s.rows for s in specs)
@@ -127,6 +135,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ids-per-bag", type=int, default=base.ids_per_bag)
     p.add_argument("--zipf-alpha", type=float, default=0.0, help="0: uniform ids")
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=base.optimizer,
+        help="the embeddings' fused optimizer in training steps, both sides",
+    )
+    p.add_argument(
         "--scale",
         type=float,
         default=None,
@@ -169,7 +183,16 @@ def options_record(options: PgasOptions) -> Dict[str, str]:
 
 
 def base_config(args: argparse.Namespace, world: int) -> Config:
-    return Config(args.tables, args.rows, args.dim, args.batch_size, args.ids_per_bag, args.zipf_alpha, world)
+    return Config(
+        args.tables,
+        args.rows,
+        args.dim,
+        args.batch_size,
+        args.ids_per_bag,
+        args.zipf_alpha,
+        world,
+        optimizer=args.optimizer,
+    )
 
 
 def dlrm_config(base: Config, scale: float) -> Config:

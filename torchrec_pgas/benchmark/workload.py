@@ -33,6 +33,9 @@ PLACEMENTS: Dict[str, Callable[[int], ParameterShardingGenerator]] = {
     "pgas_row_wise": lambda rank: pgas_row_wise(compute_kernel="fused"),
 }
 
+#: ``Config.optimizer``'s FBGEMM optimizers.
+_OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+
 
 def placement(sharding: str, spec: TableSpec) -> ParameterShardingGenerator:
     """``spec``'s sharding under ``sharding``: one sharding type for every table, or
@@ -108,14 +111,14 @@ def build(
     options: Optional[PgasOptions] = None,
 ) -> DistributedModelParallel:
     """An EBC (or a DLRM around it) with its tables sharded by ``sharding`` (see
-    ``placement``) over ``pg``, trained by fused ``EXACT_SGD``, with weights drawn per
-    table from its seed; PGAS shardings take ``options``."""
+    ``placement``) over ``pg``, trained by the fused ``cfg.optimizer``, with weights
+    drawn per table from its seed; PGAS shardings take ``options``."""
     torch.manual_seed(0)  # the DLRM's dense layers: the same on every rank and sharding
     ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=torch.device("meta"))
     module: nn.Module = _Dlrm(ebc, cfg.dim, device) if dlrm else _Holder(ebc)
     path = "model.sparse_arch.embedding_bag_collection" if dlrm else "ebc"
     sharder = PgasEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}, options=options
+        fused_params={"optimizer": _OPTIMIZERS[cfg.optimizer], "learning_rate": 0.01}, options=options
     )
     plan = module_plan(cfg, sharding, ebc, device.type, sharder)
     dmp = DistributedModelParallel(
