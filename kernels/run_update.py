@@ -29,82 +29,12 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import row_step
-from torchrec_pgas.kernels.row_update import TILE, block_edges, block_positions, dim_block, row_where
+from torchrec_pgas.kernels.row_update import TILE, block_positions, dim_block, row_where
 from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
 
 NUM_WARPS = 1
 #: Blocks of ``row_update`` a program checks at once (a power of 2).
 BLOCKS = 8
-
-
-@triton.jit
-def _step_run(
-    b,
-    keys_ptr,
-    where_ptr,
-    table_ptr,
-    state_ptr,
-    partial_ptr,
-    n,
-    blocks,
-    search_steps,
-    learning_rate,
-    eps,
-    weight_decay,
-    weight_decay_mode,
-    OPTIM: tl.constexpr,
-    SENTINEL: tl.constexpr,
-    WHERE_WORDS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PARTIAL_PITCH: tl.constexpr,
-):
-    """Steps the row whose run begins in block ``b`` and goes on past it (``b`` owns one)."""
-    d = tl.arange(0, BLOCK_D)
-    one = tl.arange(0, 1).to(tl.int64)
-    _, end, _, _, _ = block_edges(keys_ptr, b, n, BLOCK, SENTINEL)
-    last = end - 1 + one
-    key = tl.load(keys_ptr + last)
-    # True (the block owns a run); a mask of loaded data keeps row accesses vectorized.
-    owner = key != SENTINEL
-    # The last block that begins with the row (block b + 1 does).
-    lo = b + 1 + one
-    hi = lo * 0 + blocks - 1
-    for _ in range(search_steps):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == key
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
-    inside = owner[:, None] & (d[None, :] < dim[:, None])
-    acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
-    c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
-    run_end = tl.max(lo, axis=0)
-    for _ in range(b + 1, run_end + 1, CHUNK):
-        part = tl.load(
-            partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
-            mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
-            other=0.0,
-        )
-        acc += tl.sum(part, axis=0)[None, :]
-        c += CHUNK
-    w_ptr = table_ptr + at[:, None] + d[None, :]
-    w = tl.load(w_ptr, mask=inside, other=0.0)
-    w = row_step(
-        w,
-        acc,
-        dim,
-        owner,
-        state_ptr,
-        state_at,
-        learning_rate,
-        eps,
-        weight_decay,
-        weight_decay_mode,
-        OPTIM,
-    )
-    tl.store(w_ptr, w, mask=inside)
 
 
 @triton.jit(do_not_specialize=["n", "blocks", "search_steps", "weight_decay_mode"])
@@ -132,6 +62,8 @@ def run_update_kernel(
     PARTIAL_PITCH: tl.constexpr,
 ):
     good = tl.load(verdict_ptr) == 0
+    d = tl.arange(0, BLOCK_D)
+    one = tl.arange(0, 1).to(tl.int64)
     # Which of the program's blocks own a run (their last key goes on into the next
     # block and did not come from the previous one), all read at once: most own none.
     first_block = tl.program_id(0).to(tl.int64) * BLOCKS
@@ -147,28 +79,49 @@ def run_update_kernel(
     if tl.max(owners.to(tl.int32), axis=0) > 0:
         for i in range(BLOCKS):
             if tl.sum(tl.where(tl.arange(0, BLOCKS) == i, owners.to(tl.int32), 0), axis=0) > 0:
-                _step_run(
-                    first_block + i,
-                    keys_ptr,
-                    where_ptr,
-                    table_ptr,
+                # Block b owns a run: its last key's.
+                b = first_block + i
+                last = tl.minimum(b * BLOCK + BLOCK, n) - 1 + one
+                row_key = tl.load(keys_ptr + last)
+                # True; a mask of loaded data keeps the row accesses vectorized.
+                owner = row_key != SENTINEL
+                # The last block that begins with the row (block b + 1 does).
+                lo = b + 1 + one
+                hi = lo * 0 + blocks - 1
+                for _ in range(search_steps):
+                    mid = (lo + hi + 1) // 2
+                    up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == row_key
+                    lo = tl.where(up, mid, lo)
+                    hi = tl.where(up, hi, mid - 1)
+                at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
+                inside = owner[:, None] & (d[None, :] < dim[:, None])
+                acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
+                c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
+                run_end = tl.max(lo, axis=0)
+                for _ in range(b + 1, run_end + 1, CHUNK):
+                    part = tl.load(
+                        partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
+                        mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
+                        other=0.0,
+                    )
+                    acc += tl.sum(part, axis=0)[None, :]
+                    c += CHUNK
+                w_ptr = table_ptr + at[:, None] + d[None, :]
+                w = tl.load(w_ptr, mask=inside, other=0.0)
+                w = row_step(
+                    w,
+                    acc,
+                    dim,
+                    owner,
                     state_ptr,
-                    partial_ptr,
-                    n,
-                    blocks,
-                    search_steps,
+                    state_at,
                     learning_rate,
                     eps,
                     weight_decay,
                     weight_decay_mode,
                     OPTIM,
-                    SENTINEL,
-                    WHERE_WORDS,
-                    BLOCK,
-                    CHUNK,
-                    BLOCK_D,
-                    PARTIAL_PITCH,
                 )
+                tl.store(w_ptr, w, mask=inside)
 
 
 _launcher = Launcher(run_update_kernel)
