@@ -39,10 +39,14 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, backend: str, k
     except BaseException:
         # Leave at once with the traceback on file: a normal exit runs NVSHMEM's and
         # gloo's teardown, which can wait forever for the ranks still in the test, so
-        # the failure would be reported as a hang (and without its cause).
-        with open(f"{store}.rank{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
+        # the failure would be reported as a hang (and without its cause). Written
+        # whole, then renamed: ``run_ranks`` reads it as soon as it is there.
+        try:
+            with open(f"{store}.rank{rank}.tmp", "w") as f:
+                f.write(traceback.format_exc())
+            os.replace(f"{store}.rank{rank}.tmp", f"{store}.rank{rank}.err")
+        finally:
+            os._exit(1)
     dist.barrier()
     # Every rank got here: leave without tearing gloo down. Teardown during interpreter
     # finalization has aborted processes ("terminate called without an active
@@ -118,6 +122,8 @@ def run_ranks(fn: Callable, world_size: int, backend: str = "gloo", deadline_s: 
             if errors or time.monotonic() >= end:
                 for p in ctx.processes:
                     p.kill()
+                for p in ctx.processes:
+                    p.join(10)  # reaped: a GPU rank's teardown must not overlap the next test
                 if errors:
                     # The ranks that did not fail wait for the one that did.
                     raise AssertionError(f"{fn.__name__} failed:\n{errors}")
@@ -366,13 +372,15 @@ def assert_as_close_as(
     """``actual`` is no further from the float64 ``exact`` than four times ``control``
     (the same computation in float32 by other kernels), or than ``floor``: float32
     sums in another order part by amounts that grow with the number of terms and their
-    cancellation, which no fixed tolerance between the two bounds."""
+    cancellation, which no fixed tolerance between the two bounds. The control itself
+    is within 100 times ``floor`` (relative to the largest value), so that a mistake
+    both share cannot pass."""
     assert sorted(actual) == sorted(exact) == sorted(control)
     for k, e in exact.items():
         scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
         off = float((actual[k].cpu().double() - e).abs().max()) if e.numel() else 0.0
         off_control = float((control[k].cpu().double() - e).abs().max()) if e.numel() else 0.0
-        assert off_control <= 1e-3 * scale, f"{k}: the control is {off_control:.3g} from float64"
+        assert off_control <= 100 * floor * scale, f"{k}: the control is {off_control:.3g} from float64"
         assert off <= max(4 * off_control, floor * scale), f"{k}: {off:.3g} from float64, the control {off_control:.3g}"
 
 

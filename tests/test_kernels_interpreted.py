@@ -765,7 +765,7 @@ def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, se
 
 
 @_interpreted
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize(
     "optimizer,weighted,mean,wd_mode",
@@ -789,7 +789,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time (its
     programs checking one block or four), and
     ``update_keys`` takes four bags per program, two or four ids at a time; int64 keys and
-    no padding (seed 2). A bad step's record, or an error of the
+    no padding (seed 2); the kernels' own shapes over many blocks and programs, a third
+    of the capacity padding (seed 3). A bad step's record, or an error of the
     transport, leaves weights and optimizer state as they were, and the step's verdict is
     taken once: an error recorded after ``step_verdict`` does not split the update."""
     from torchrec_pgas.kernels import row_step
@@ -808,7 +809,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
     tbe, rows = _fbgemm_cpu_tbe(optimizer, dims, table_of, mean, wd_mode, seed)
     g = torch.Generator().manual_seed(100 + seed)
-    F, B = len(table_of), 5 + seed
+    F, B = len(table_of), [5, 6, 7, 60][seed]
     lengths = torch.randint(0, 6, (F * B,), generator=g)
     lengths[torch.rand(F * B, generator=g) < 0.3] = 0
     per_feature = lengths.view(F, B).sum(1)
@@ -826,7 +827,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     w0 = tbe.weights_host.detach().clone()
     m0 = tbe.momentum1_host.detach().clone() if adagrad else torch.empty(0)
     # Ours first, on copies, with the index tensor padded past the batch's ids.
-    pad = [9, 4, 0][seed]
+    pad = [9, 4, 0, 200][seed]
     indices = torch.cat([values, torch.randint(-5, 1000, (pad,), generator=g)])
     psw_in = torch.cat([psw, torch.rand(pad, generator=g)]) if weighted else torch.empty(1)
     D_off = tbe.D_offsets.tolist()

@@ -237,7 +237,8 @@ def _fake_files(tmp_path, held_copy_gbps=3000.0):
 
 
 def test_printed_labels_give_back_their_config_and_others_are_left_out_by_name():
-    for cfg in (Config(), Config(tables=3, rows=77, dim=32, batch_size=5, ids_per_bag=1, zipf_alpha=1.05, ranks=1)):
+    small = Config(tables=3, rows=77, dim=32, batch_size=5, ids_per_bag=1, zipf_alpha=1.05, ranks=1)
+    for cfg in (Config(), small, dataclasses.replace(small, optimizer="rowwise_adagrad")):
         assert config_of({"label": cfg.label()}) == cfg
     assert config_of({"label": "1 ranks, DLRM-shaped 26 tables"}) is None
     results = {"rows": [_fake_row(Config(), "r1", PAIRS[0]), {"scenario": "x", "label": "?", "pair": PAIRS[1]}]}

@@ -190,7 +190,7 @@ class Pair:
 #: copied from printed tables carry it and no ``config``.
 _LABEL = re.compile(
     r"(?P<ranks>\d+) ranks, (?P<tables>\d+) x (?P<rows>\d+) x (?P<dim>\d+), (?P<batch_size>\d+)/rank, "
-    r"(?P<ids_per_bag>\d+) ids/bag, (?:uniform|zipf (?P<zipf_alpha>[0-9.]+))$"
+    r"(?P<ids_per_bag>\d+) ids/bag, (?:uniform|zipf (?P<zipf_alpha>[0-9.]+))(?:, (?P<optimizer>\w+))?$"
 )
 
 
@@ -202,8 +202,8 @@ def config_of(row: Dict[str, Any]) -> Optional[Config]:
     m = _LABEL.match(row.get("label", ""))
     if m is None:
         return None
-    ints = {k: int(v) for k, v in m.groupdict().items() if k != "zipf_alpha"}
-    return Config(**ints, zipf_alpha=float(m["zipf_alpha"] or 0.0))
+    ints = {k: int(v) for k, v in m.groupdict().items() if k not in ("zipf_alpha", "optimizer")}
+    return Config(**ints, zipf_alpha=float(m["zipf_alpha"] or 0.0), optimizer=m["optimizer"] or "sgd")
 
 
 def row_key(row: Dict[str, Any]) -> Tuple[str, ...]:
