@@ -120,6 +120,51 @@ def test_shared_gpu_put_path_forward_matches_host_and_reference(world_size):
     run_ranks(_forward, world_size, options=PUTS, deadline_s=DEADLINE_S)
 
 
+#: (offset in the slot, bytes) of the pieces each rank puts into every rank's slot, to
+#: itself too: 16-, 8- and 4-byte aligned ranges and odd ones, empty and long ones.
+PIECES = [(0, 4096 + 16), (4112, 8), (4121, 3), (4128, 12), (4144, 0), (4145, 1), (4160, 70_001), (74_168, 8 * 1001)]
+SLOT_BYTES = 82_176
+
+
+def _pieces(rank, world_size, options):
+    """Every rank puts ``PIECES`` of random bytes, from sources at every alignment, into
+    every rank's slot (its own among them) for three steps through the transport, and
+    every rank reads back what each source put."""
+    from torchrec_pgas.transport import Mailbox, get_transport
+
+    torch.cuda.set_device(GPU)
+    t = get_transport(dist.group.WORLD, GPU, options)
+    box = Mailbox(t, slot_bytes=SLOT_BYTES, per_source=True, name="pieces")
+
+    def payload(step, source, dest, i, size):
+        g = torch.Generator().manual_seed(((step * 10 + source) * 10 + dest) * 100 + i)
+        return torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).to(GPU)
+
+    for step in range(1, 4):
+        for dest in range(world_size):
+            base = box.begin_send(dest, step)
+            for i, (offset, size) in enumerate(PIECES):
+                # The source starts at a byte offset of its own: 0, 1, 4, 8, ...
+                backing = torch.empty(size + 16, dtype=torch.uint8, device=GPU)
+                src = backing[[0, 1, 4, 8, 12][i % 5] :][:size]
+                src.copy_(payload(step, rank, dest, i, size))
+                t.put(box.buffer, dest, base + offset, src)
+            box.end_send(dest, step)
+        for source in range(world_size):
+            box.wait(source, step)
+            slot = box.slot(source, step)
+            for i, (offset, size) in enumerate(PIECES):
+                got = slot[offset : offset + size]
+                assert torch.equal(got, payload(step, source, rank, i, size)), (step, source, i)
+            box.release(source, step)
+    t.check()
+
+
+@pytest.mark.parametrize("world_size,options", [(1, DIRECT), (2, DIRECT), (2, PUTS), (3, PUTS)])
+def test_shared_gpu_transport_puts_byte_ranges_of_any_alignment(world_size, options):
+    run_ranks(_pieces, world_size, options=options, deadline_s=DEADLINE_S)
+
+
 def _train(rank, world_size, owners, row_wise, batch_sizes, options=DIRECT, **batches):
     for optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
         _train_with(rank, world_size, owners, row_wise, batch_sizes, optimizer, options, **batches)
