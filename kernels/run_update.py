@@ -7,9 +7,10 @@ most one: the block's last). Most blocks have none: a program per block spent it
 on the programs' count alone at large batches. The row's sum is the block's partial sum
 (``partial[2 * b + 1]``) plus those of the following blocks the run goes through
 (``partial[2 * c]`` for every block ``c`` that begins with the row, found by a binary
-search of the blocks' first keys), added ``CHUNK`` blocks at a time with no dependent
-loads between chunks, so that a row read by a large share of the batch costs a few
-steps of one program after ``row_update`` summed its occurrences in parallel.
+search of the blocks' first keys, for all the program's owners at once), added
+``CHUNK`` blocks at a time with no dependent loads between chunks, so that a row read
+by a large share of the batch costs a few steps of one program after ``row_update``
+summed its occurrences in parallel.
 
 Nothing is updated for a bad step (``verdict``, see ``row_update``).
 
@@ -77,27 +78,28 @@ def run_update_kernel(
     following = tl.load(keys_ptr + end, mask=there & (end < n), other=SENTINEL)
     owners = there & (key != SENTINEL) & (following == key) & ~((before == first) & (key == first)) & good
     if tl.max(owners.to(tl.int32), axis=0) > 0:
+        # The last block that begins with each owner's row (block g + 1 does), searched
+        # for every owner of the program at once: one chain of dependent loads.
+        lo = g + 1
+        hi = tl.where(owners, blocks - 1, lo)
+        for _ in range(search_steps):
+            mid = (lo + hi + 1) // 2
+            up = tl.load(keys_ptr + mid * BLOCK, mask=owners & (mid <= hi), other=SENTINEL) == key
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid - 1)
+        lane = tl.arange(0, BLOCKS)
         for i in range(BLOCKS):
-            if tl.sum(tl.where(tl.arange(0, BLOCKS) == i, owners.to(tl.int32), 0), axis=0) > 0:
-                # Block b owns a run: its last key's.
+            if tl.sum(tl.where(lane == i, owners.to(tl.int32), 0), axis=0) > 0:
+                # Block b owns a run: its last key's, which goes on to block run_end.
                 b = first_block + i
+                run_end = tl.sum(tl.where(lane == i, lo, 0), axis=0)
                 last = tl.minimum(b * BLOCK + BLOCK, n) - 1 + one
-                row_key = tl.load(keys_ptr + last)
                 # True; a mask of loaded data keeps the row accesses vectorized.
-                owner = row_key != SENTINEL
-                # The last block that begins with the row (block b + 1 does).
-                lo = b + 1 + one
-                hi = lo * 0 + blocks - 1
-                for _ in range(search_steps):
-                    mid = (lo + hi + 1) // 2
-                    up = tl.load(keys_ptr + mid * BLOCK, mask=mid <= hi, other=SENTINEL) == row_key
-                    lo = tl.where(up, mid, lo)
-                    hi = tl.where(up, hi, mid - 1)
+                owner = tl.load(keys_ptr + last) != SENTINEL
                 at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
                 inside = owner[:, None] & (d[None, :] < dim[:, None])
                 acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
                 c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
-                run_end = tl.max(lo, axis=0)
                 for _ in range(b + 1, run_end + 1, CHUNK):
                     part = tl.load(
                         partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
