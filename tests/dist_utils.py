@@ -366,6 +366,14 @@ class Float64Training:
         return [{k: v.detach() for k, v in o.items()} for o in outs]
 
 
+def upstream_grads(pooled: Dict[str, torch.Tensor], step: int) -> Dict[str, torch.Tensor]:
+    """The loss's gradient for each feature's pooled rows at ``step`` (the training
+    tests' loss is ``sum(pooled * upstream)``): the same on every rank, for every model
+    and for ``Float64Training``."""
+    g = torch.Generator().manual_seed(step)
+    return {k: torch.randn(pooled[k].shape, generator=g) for k in sorted(pooled)}
+
+
 def assert_as_close_as(
     actual: Dict[str, torch.Tensor], control: Dict[str, torch.Tensor], exact: Dict[str, torch.Tensor], floor: float
 ) -> None:

@@ -27,12 +27,14 @@ from dist_utils import (  # noqa: E402
     Float64Training,
     assert_as_close_as,
     assert_close_to_reference,
+    mailbox_payload,
     make_tables,
     pgas_tw,
     random_kjt,
     reference_pooled,
     run_ranks,
     shard,
+    upstream_grads,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec import (  # noqa: E402
@@ -137,8 +139,8 @@ def _pieces(rank, world_size, options):
     box = Mailbox(t, slot_bytes=SLOT_BYTES, per_source=True, name="pieces")
 
     def payload(step, source, dest, i, size):
-        g = torch.Generator().manual_seed(((step * 10 + source) * 10 + dest) * 100 + i)
-        return torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).to(GPU)
+        words = mailbox_payload(100 * step + i, source, dest, -(-size // 8))
+        return words.view(torch.uint8)[:size].to(GPU)
 
     for step in range(1, 4):
         for dest in range(world_size):
@@ -198,10 +200,10 @@ def _train_with(
         outs = []
         for model, dev in ((gpu, GPU), (host, torch.device("cpu"))):
             kt = model(batches[rank].to(dev)).to_dict()
-            loss = sum((kt[k] * u.to(dev)).sum() for k, u in _upstream(kt, step).items())
+            loss = sum((kt[k] * u.to(dev)).sum() for k, u in upstream_grads(kt, step).items())
             loss.backward()
             outs.append({k: v.detach().cpu() for k, v in kt.items()})
-        expected = exact.step(batches, lambda pooled: _upstream(pooled, step))
+        expected = exact.step(batches, lambda pooled: upstream_grads(pooled, step))
         assert_as_close_as(outs[0], outs[1], expected[rank], floor)
     like = ref.state_dict()
     w_gpu = gather_unsharded_state_dict(gpu, like, prefix="ebc.")
@@ -209,13 +211,6 @@ def _train_with(
     assert_as_close_as(w_gpu, w_host, exact.weights, floor)
     for name in w_host:
         assert not torch.equal(w_host[name], like[name]), f"{name} was not trained"
-
-
-def _upstream(pooled, step):
-    """The loss's gradient for each feature's pooled rows at ``step``: the same on
-    every rank and for every model."""
-    g = torch.Generator().manual_seed(step)
-    return {k: torch.randn(pooled[k].shape, generator=g) for k in sorted(pooled)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

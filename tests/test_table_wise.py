@@ -19,6 +19,7 @@ from dist_utils import (
     shard,
     torchrec_tw,
     tw_placement,
+    upstream_grads,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
@@ -123,12 +124,12 @@ def _train(rank, world_size, optimizer, owners, batch_sizes):
         outs = []
         for model in (pgas, tw):
             kt = model(batches[rank]).to_dict()
-            loss = sum((kt[k] * u).sum() for k, u in _upstream(kt, step).items())
+            loss = sum((kt[k] * u).sum() for k, u in upstream_grads(kt, step).items())
             loss.backward()
             outs.append({k: v.detach() for k, v in kt.items()})
         for k in outs[1]:
             assert torch.equal(outs[0][k], outs[1][k]), (step, k)
-        expected = exact.step(batches, lambda pooled: _upstream(pooled, step))
+        expected = exact.step(batches, lambda pooled: upstream_grads(pooled, step))
         assert_close_to_reference(outs[1], expected[rank])
     like = ref.state_dict()
     w_pgas = gather_unsharded_state_dict(pgas, like, prefix="ebc.")
@@ -137,12 +138,6 @@ def _train(rank, world_size, optimizer, owners, batch_sizes):
         assert torch.equal(w_pgas[name], w_tw[name]), name
         assert not torch.equal(w_pgas[name], like[name]), f"{name} was not trained"
     assert_close_to_reference(w_tw, exact.weights)
-
-
-def _upstream(pooled, step):
-    """The loss's gradient for each feature's pooled rows at ``step``."""
-    g = torch.Generator().manual_seed(step)
-    return {k: torch.randn(pooled[k].shape, generator=g) for k in sorted(pooled)}
 
 
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
