@@ -33,7 +33,7 @@ Buffers:
     src:       int64 [N]  each sorted position's gradient row (``update_keys``, in the
                sort's order: the update reads no permutation, one dependent load less)
     scale:     float32 [N]  each sorted position's gradient scale (read with ``SCALED``)
-    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``update_keys``)
+    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``sort_order``)
     grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
                owner's lookup output, rows contiguous (read 4 elements at a time where
                ``pitch`` and its address allow: ``GRAD_ALIGNED``)
@@ -50,7 +50,8 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.row_step import row_step
-from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
+from torchrec_pgas.kernels.sort_order import WHERE_WORDS
+from torchrec_pgas.kernels.update_keys import sentinel
 
 #: The elements of a program's tile (``ROWS`` positions of ``BLOCK_D``), at least
 #: ``MIN_ROWS`` positions; sorted positions per block (``partial`` holds two rows per
@@ -97,7 +98,7 @@ def block_edges(keys_ptr, b, n, BLOCK: tl.constexpr, SENTINEL: tl.constexpr):
 
 @triton.jit
 def row_where(where_ptr, p, mask, WHERE_WORDS: tl.constexpr):
-    """The row of sorted positions ``p`` (``update_keys``' ``where``): its offset in the
+    """The row of sorted positions ``p`` (``sort_order``'s ``where``): its offset in the
     weights and its dim (FBGEMM's rows are multiples of 4 elements: they move 4 at a
     time), and its index in the optimizer state."""
     at = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS, mask=mask, other=0), 4)

@@ -16,7 +16,7 @@ Nothing is updated for a bad step (``verdict``, see ``row_update``).
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
-    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``row_update``)
+    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``sort_order``)
     table:     float32 [...]  the group's weights, in/out
     state:     float32 [...]  the row-wise optimizer state, in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  the blocks'
@@ -31,7 +31,8 @@ import triton.language as tl
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import row_step
 from torchrec_pgas.kernels.row_update import TILE, block_positions, dim_block, row_where
-from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
+from torchrec_pgas.kernels.sort_order import WHERE_WORDS
+from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
 #: Blocks of ``row_update`` a program checks at once (a power of 2).

@@ -1,9 +1,16 @@
-"""Puts ``update_keys``' per-position arrays in the sort's order, so that the update
-(``row_update``, ``run_update``) reads each sorted position's gradient row, scale and
-row with no permutation: one pass over the sort's order for all of them, where an
-indexing per array would read the order once per array. Positions past the batch's ids
-(their key is the sentinel: the sort put them last) are left as they are: the update
-reads nothing of them, and the index tensor's capacity is often twice the batch's ids.
+"""Puts ``update_keys``' per-position arrays in the sort's order, and writes where each
+sorted position's row lies, so that the update (``row_update``, ``run_update``) reads
+each sorted position's gradient row, scale and row with no permutation: one pass over
+the sort's order, where an indexing per array would read the order once per array.
+Positions past the batch's ids (their key is the sentinel: the sort put them last) are
+left as they are: the update reads nothing of them, and the index tensor's capacity is
+often twice the batch's ids.
+
+A row's place follows from its key (its row in the group's rows): the group's table
+whose first row is the last at most the key (a binary search of the few tables, which
+stay in cache), then the row's offset in that table. Computing it here, in the sort's
+order, replaces three words per position that ``update_keys`` would write and this pass
+would gather through the order, the costliest of its reads.
 
 Program ``p`` takes sorted positions ``p * BLOCK ...``.
 
@@ -12,10 +19,13 @@ Buffers:
     order:     int64 [N]  the stable sort's permutation of the keys' positions
     src:       int64 [N]  each position's gradient row (``update_keys``)
     scale:     float32 [N]  each position's gradient scale (read with ``SCALED``)
-    where:     int64 [N, WHERE_WORDS]  each position's row (``update_keys``)
+    tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows, by first row:
+               its first row in the group's rows, its offset in the weights (elements),
+               its dim, its offset in the optimizer state (rows)
     src_out:   int64 [N]  out: ``src[order]`` (not past the ids)
     scale_out: float32 [N]  out with ``SCALED``: ``scale[order]`` (not past the ids)
-    where_out: int64 [N, WHERE_WORDS]  out: ``where[order]`` (not past the ids)
+    where_out: int64 [N, WHERE_WORDS]  out: each sorted position's row's offset in the
+               weights, its dim and its index in the optimizer state (not past the ids)
 """
 
 import torch
@@ -23,38 +33,58 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.update_keys import WHERE_WORDS, sentinel
+from torchrec_pgas.kernels.update_keys import sentinel
 
 BLOCK = 1024
 NUM_WARPS = 4
+#: ``tables`` columns.
+TABLE_WORDS = 4
+#: ``where_out`` columns.
+WHERE_WORDS = 3
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "num_tables"])
 def sort_order_kernel(
     keys_ptr,
     order_ptr,
     src_ptr,
     scale_ptr,
-    where_ptr,
+    tables_ptr,
     src_out_ptr,
     scale_out_ptr,
     where_out_ptr,
     n: tl.int64,
+    num_tables: tl.int64,
     SENTINEL: tl.constexpr,
+    TABLE_WORDS: tl.constexpr,
     WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = p < n
-    inside &= tl.load(keys_ptr + p, mask=inside, other=SENTINEL) != SENTINEL
+    key = tl.load(keys_ptr + p, mask=inside, other=SENTINEL)
+    inside &= key != SENTINEL
+    key = key.to(tl.int64)
     q = tl.load(order_ptr + p, mask=inside, other=0)
     tl.store(src_out_ptr + p, tl.load(src_ptr + q, mask=inside, other=0), mask=inside)
-    for w in tl.static_range(WHERE_WORDS):
-        word = tl.load(where_ptr + q * WHERE_WORDS + w, mask=inside, other=0)
-        tl.store(where_out_ptr + p * WHERE_WORDS + w, word, mask=inside)
     if SCALED:
         tl.store(scale_out_ptr + p, tl.load(scale_ptr + q, mask=inside, other=0.0), mask=inside)
+    # The last table whose first row is at most the key: ``t`` and the ``size`` tables
+    # from it hold it.
+    t = p * 0
+    size = num_tables
+    while size > 1:
+        half = size // 2
+        up = tl.load(tables_ptr + (t + half) * TABLE_WORDS, mask=inside, other=0) <= key
+        t = tl.where(up, t + half, t)
+        size -= half
+    meta = tables_ptr + t * TABLE_WORDS
+    row = key - tl.load(meta, mask=inside, other=0)
+    dim = tl.load(meta + 2, mask=inside, other=0)
+    tl.store(where_out_ptr + p * WHERE_WORDS, tl.load(meta + 1, mask=inside, other=0) + row * dim, mask=inside)
+    tl.store(where_out_ptr + p * WHERE_WORDS + 1, dim, mask=inside)
+    tl.store(where_out_ptr + p * WHERE_WORDS + 2, tl.load(meta + 3, mask=inside, other=0) + row, mask=inside)
 
 
 _launcher = Launcher(sort_order_kernel)
@@ -65,27 +95,32 @@ def sort_order(
     order: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
-    where: torch.Tensor,
+    tables: torch.Tensor,
     src_out: torch.Tensor,
     scale_out: torch.Tensor,
     where_out: torch.Tensor,
     scaled: bool,
 ) -> None:
-    """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring)."""
+    """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring); ``tables`` has at
+    least one row."""
     n = order.numel()
     if n == 0:
         return
+    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
+        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
     _launcher[(cdiv(n, BLOCK),)](
         keys,
         order,
         src,
         scale,
-        where,
+        tables,
         src_out,
         scale_out,
         where_out,
         n,
+        tables.size(0),
         SENTINEL=sentinel(keys.dtype),
+        TABLE_WORDS=TABLE_WORDS,
         WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         BLOCK=BLOCK,

@@ -18,9 +18,11 @@ programs put the sentinel past the ids. Per position, they write:
   gradient's pitch plus the feature's column), so that the update reads it with one
   load;
 * with ``SCALED``, its gradient's scale: its per-sample weight (``WEIGHTED``), over its
-  bag's length for mean pooling, else 1;
-* where its row lies (``where``): its element offset in the weights, its dim and its
-  index in the optimizer state, so that the update finds a row with one load.
+  bag's length for mean pooling, else 1.
+
+Where a row lies in the weights and the optimizer state follows from its key alone:
+``sort_order`` writes it after the sort, in the sort's order, rather than this kernel
+before it (every position's three words would be gathered through the sort's order).
 
 It runs in the forward, right after the lookup, so that the keys are sorted while the
 host runs the rest of the step; whether the step is bad is decided in the backward
@@ -32,15 +34,11 @@ Buffers:
     indices:   int64 [N]  the group's ids (only ``[0, offsets[bags])`` are read)
     weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
     features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
-               in the group's rows, its column in the gradient, mean pooling (0/1), its
-               table's offset in the weights (elements), its dim, its table's offset in
-               the optimizer state (rows)
+               in the group's rows, its column in the gradient, mean pooling (0/1)
     keys:      int32 or int64 [N]  out: each position's row key, or the sentinel
     src:       int64 [N]  out: each position's gradient row (element offset; undefined
                past the ids)
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
-    where:     int64 [N, WHERE_WORDS]  out: each position's row's weights offset, dim and
-               optimizer state index (undefined past the ids)
 """
 
 import torch
@@ -54,12 +52,9 @@ BLOCK_B = 32
 BLOCK_J = 32
 NUM_WARPS = 4
 #: ``features`` columns: the feature's table's first row in the group, its column in
-#: the gradient, mean pooling (0/1), its table's offset in the weights, its dim, its
-#: table's offset in the optimizer state.
-FEATURE_WORDS = 6
-ROW, COL, MEAN, WEIGHTS_AT, DIM, STATE_AT = range(FEATURE_WORDS)
-#: ``where`` columns.
-WHERE_WORDS = 3
+#: the gradient, mean pooling (0/1).
+FEATURE_WORDS = 3
+ROW, COL, MEAN = range(FEATURE_WORDS)
 
 
 def sentinel(dtype: torch.dtype) -> int:
@@ -81,14 +76,12 @@ def update_keys_kernel(
     keys_ptr,
     src_ptr,
     scale_ptr,
-    where_ptr,
     n: tl.int64,
     bags: tl.int64,
     bags_per_feature: tl.int64,
     pitch: tl.int64,
     SENTINEL: tl.constexpr,
     FEATURE_WORDS: tl.constexpr,
-    WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -109,9 +102,6 @@ def update_keys_kernel(
     meta = features_ptr + (b // bags_per_feature) * FEATURE_WORDS
     first_row = tl.load(meta, mask=ok, other=0)
     src = (b % bags_per_feature) * pitch + tl.load(meta + 1, mask=ok, other=0)
-    weights_at = tl.load(meta + 3, mask=ok, other=0)
-    dim = tl.load(meta + 4, mask=ok, other=0)
-    state_at = tl.load(meta + 5, mask=ok, other=0)
     if SCALED:
         mean = tl.load(meta + 2, mask=ok, other=0) != 0
         # FBGEMM's mean pooling scales each id's gradient by 1 / (the bag's length), an
@@ -125,9 +115,6 @@ def update_keys_kernel(
         ids = tl.load(indices_ptr + p, mask=valid, other=0)
         tl.store(keys_ptr + p, (first_row[:, None] + ids).to(keys_ptr.dtype.element_ty), mask=valid)
         tl.store(src_ptr + p, src[:, None] + p * 0, mask=valid)
-        tl.store(where_ptr + p * WHERE_WORDS, weights_at[:, None] + ids * dim[:, None], mask=valid)
-        tl.store(where_ptr + p * WHERE_WORDS + 1, dim[:, None] + p * 0, mask=valid)
-        tl.store(where_ptr + p * WHERE_WORDS + 2, state_at[:, None] + ids, mask=valid)
         if SCALED:
             scale = bag_scale[:, None] + tl.zeros([BLOCK_B, BLOCK_J], tl.float32)
             if WEIGHTED:
@@ -146,7 +133,6 @@ def update_keys(
     keys: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
-    where: torch.Tensor,
     bags_per_feature: int,
     pitch: int,
     scaled: bool,
@@ -165,14 +151,12 @@ def update_keys(
         keys,
         src,
         scale,
-        where,
         n,
         bags,
         bags_per_feature,
         pitch,
         SENTINEL=sentinel(keys.dtype),
         FEATURE_WORDS=FEATURE_WORDS,
-        WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
         BLOCK_B=BLOCK_B,

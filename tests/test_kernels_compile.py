@@ -37,9 +37,9 @@ from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
-from torchrec_pgas.kernels.sort_order import sort_order_kernel  # noqa: E402
+from torchrec_pgas.kernels.sort_order import TABLE_WORDS, WHERE_WORDS, sort_order_kernel  # noqa: E402
 from torchrec_pgas.kernels.step_verdict import step_verdict_kernel  # noqa: E402
-from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, WHERE_WORDS, update_keys_kernel  # noqa: E402
+from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, update_keys_kernel  # noqa: E402
 
 
 def _bitcode() -> str:
@@ -322,13 +322,11 @@ CASES = {
             "keys_ptr": "*i32",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
-            "where_ptr": "*i64",
         },
         [
             {
                 "SENTINEL": 2**31 - 1,
                 "FEATURE_WORDS": FEATURE_WORDS,
-                "WHERE_WORDS": WHERE_WORDS,
                 "SCALED": scaled,
                 "WEIGHTED": w,
                 "BLOCK_B": 32,
@@ -344,13 +342,19 @@ CASES = {
             "order_ptr": "*i64",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
-            "where_ptr": "*i64",
+            "tables_ptr": "*i64",
             "src_out_ptr": "*i64",
             "scale_out_ptr": "*fp32",
             "where_out_ptr": "*i64",
         },
         [
-            {"SENTINEL": 2**31 - 1, "WHERE_WORDS": WHERE_WORDS, "SCALED": scaled, "BLOCK": 1024}
+            {
+                "SENTINEL": 2**31 - 1,
+                "TABLE_WORDS": TABLE_WORDS,
+                "WHERE_WORDS": WHERE_WORDS,
+                "SCALED": scaled,
+                "BLOCK": 1024,
+            }
             for scaled in (False, True)
         ],
     ),

@@ -764,6 +764,28 @@ def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, se
     return tbe, rows
 
 
+def test_row_tables_skip_tables_without_rows():
+    """``sort_order``'s tables of a lookup group: one per table with rows, by first row,
+    whatever features share them; a table without rows shares its first row with the
+    next table and holds no key."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from torchrec_pgas.sharding.fused_update import row_tables
+
+    specs = [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in ((5, 8), (0, 8), (7, 4))]
+    for optimizer, state in ((EmbOptimType.EXACT_ROWWISE_ADAGRAD, 5), (EmbOptimType.EXACT_SGD, 0)):
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(specs, feature_table_map=[0, 1, 2, 0], optimizer=optimizer)
+        # Table 2's rows follow table 0's 5 rows of 8 (40 weights) and 5 states.
+        assert row_tables(tbe) == [[0, 0, 8, 0], [5, 40, 4, state]]
+    none = SplitTableBatchedEmbeddingBagsCodegen(specs[1:2], optimizer=EmbOptimType.EXACT_SGD)
+    assert row_tables(none) == [[0, 0, 0, 0]]
+
+
 @_interpreted
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("wide", [False, True])
@@ -794,6 +816,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     transport, leaves weights and optimizer state as they were, and the step's verdict is
     taken once: an error recorded after ``step_verdict`` does not split the update."""
     from torchrec_pgas.kernels import row_step
+    from torchrec_pgas.sharding.fused_update import row_tables
 
     if seed < 2:
         monkeypatch.setattr(k.row_update, "TILE", 32)
@@ -833,13 +856,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     D_off = tbe.D_offsets.tolist()
     first_row = tbe.hash_size_cumsum.tolist()
     state_at = tbe.momentum1_offsets.tolist() if adagrad else [0] * F
-    features = torch.tensor(
-        [
-            [first_row[f], D_off[f], int(mean), int(tbe.weights_offsets[f]), D_off[f + 1] - D_off[f], state_at[f]]
-            for f in range(F)
-        ],
-        dtype=torch.int64,
-    )
+    features = torch.tensor([[first_row[f], D_off[f], int(mean)] for f in range(F)], dtype=torch.int64)
+    tables = torch.tensor(row_tables(tbe), dtype=torch.int64)
     n = indices.numel()
     key_dtype = torch.int64 if seed == 2 else k.update_keys.key_dtype(int(tbe.total_hash_size))
     scaled = weighted or mean
@@ -850,11 +868,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         keys = torch.empty(n, dtype=key_dtype)
         src = torch.empty(n, dtype=torch.int64)
         scale = torch.empty(n) if scaled else torch.empty(1)
-        where = torch.empty(n, k.update_keys.WHERE_WORDS, dtype=torch.int64)
         verdict = torch.empty(1, dtype=torch.int64)
         err = err.clone()
         k.update_keys.update_keys(
-            offsets, indices, psw_in, features, keys, src, scale, where, B, grad.stride(0), scaled, weighted
+            offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), scaled, weighted
         )  # fmt: skip
         k.step_verdict.step_verdict(record, err, verdict, S)
         if err_after_verdict is not None:
@@ -862,9 +879,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         sorted_keys, order = torch.sort(keys, stable=True)
         # In the sort's order as ``FusedUpdate.prepare`` puts them, poisoned past the ids:
         # the update must read nothing there.
-        sorted_src, sorted_where = torch.full_like(src, -(2**40)), torch.full_like(where, -(2**40))
+        sorted_src = torch.full_like(src, -(2**40))
+        sorted_where = torch.full((n, k.sort_order.WHERE_WORDS), -(2**40), dtype=torch.int64)
         sorted_scale = torch.full_like(scale, float("nan"))
-        k.sort_order.sort_order(sorted_keys, order, src, scale, where, sorted_src, sorted_scale, sorted_where, scaled)
+        k.sort_order.sort_order(sorted_keys, order, src, scale, tables, sorted_src, sorted_scale, sorted_where, scaled)
         src, where, scale = sorted_src, sorted_where, sorted_scale if scaled else scale
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
@@ -952,12 +970,8 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
     g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
     F, B, pitch = 3, 11, 40
-    # Per feature: first row, column, mean, weights offset, dim, state offset (features 0
-    # and 2 share a table).
-    features = torch.tensor(
-        [[0, 0, int(mean), 0, 8, 0], [100, 8, int(mean), 800, 16, 100], [0, 24, int(mean), 0, 8, 0]],
-        dtype=torch.int64,
-    )
+    # Per feature: first row, column, mean (features 0 and 2 share a table).
+    features = torch.tensor([[0, 0, int(mean)], [100, 8, int(mean)], [0, 24, int(mean)]], dtype=torch.int64)
     lengths = torch.randint(0, 71, (F * B,), generator=g)
     lengths[torch.rand(F * B, generator=g) < 0.3] = 0
     offsets = _offsets(lengths) + (5 if key_dtype == torch.int64 else 0)
@@ -967,23 +981,21 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     keys = torch.full((n,), -7, dtype=key_dtype)
     src = torch.full((n,), -7, dtype=torch.int64)
     scale = torch.full((n,), float("nan"))
-    where = torch.full((n, k.update_keys.WHERE_WORDS), -7, dtype=torch.int64)
     scaled = weighted or mean
     k.update_keys.update_keys(
-        offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, where, B, pitch,
+        offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, B, pitch,
         scaled, weighted,
     )  # fmt: skip
     no_id = torch.cat([torch.arange(first_id), torch.arange(total, n)])
     assert bool((keys[no_id] == k.update_keys.sentinel(key_dtype)).all())
-    assert bool((src[no_id] == -7).all() and (where[no_id] == -7).all() and scale[no_id].isnan().all())
+    assert bool((src[no_id] == -7).all() and scale[no_id].isnan().all())
     for bag in range(F * B):
         f, row = divmod(bag, B)
-        first, col, _, w_at, dim, s_at = features[f].tolist()
+        first, col, _ = features[f].tolist()
         lo, hi = int(offsets[bag]), int(offsets[bag + 1])
         for p in range(lo, hi):
             i = int(indices[p])
             assert (int(keys[p]), int(src[p])) == (first + i, row * pitch + col), (bag, p)
-            assert where[p].tolist() == [w_at + i * dim, dim, s_at + i], (bag, p)
             if scaled:
                 expected = float(weights[p]) if weighted else float(torch.tensor(1.0) / (hi - lo))
                 assert float(scale[p]) == expected, (bag, p)
@@ -995,22 +1007,32 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
-    indexing does, over blocks (of 16 here) with a partial last one, up to the first
-    sentinel key (positions past the ids, about a third here, are left as they were);
-    the scale is left alone unless ``scaled``."""
+    indexing does, and writes each sorted position's row from its key (the last table
+    whose first row is at most the key, of 1 to 5 tables), over blocks (of 16 here) with
+    a partial last one, up to the first sentinel key (positions past the ids, about a third here, are left as they
+    were); the scale is left alone unless ``scaled``."""
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
     g = torch.Generator().manual_seed(n)
-    keys = torch.randint(0, 5, (n,), generator=g, dtype=key_dtype)
+    # Per table with rows: first row, weights offset, dim, state offset.
+    rows = torch.randint(1, 9, (1 + n % 5,), generator=g)
+    first = torch.cumsum(rows, 0) - rows + (3 if key_dtype == torch.int64 else 0)
+    dims = 4 * torch.randint(1, 5, (rows.numel(),), generator=g)
+    tables = torch.stack([first, torch.randint(0, 2**30, rows.shape, generator=g), dims, 100 * first + 7], 1)
+    table = torch.randint(0, rows.numel(), (n,), generator=g)
+    keys = (first[table] + (torch.rand(n, generator=g) * rows[table]).long()).to(key_dtype)
     keys[torch.rand(n, generator=g) < 0.3] = k.update_keys.sentinel(key_dtype)
     keys, order = torch.sort(keys, stable=True)
     ids = int((keys != k.update_keys.sentinel(key_dtype)).sum())
     src = torch.randint(-(2**40), 2**40, (n,), generator=g)
     scale = torch.rand(n, generator=g)
-    where = torch.randint(0, 2**40, (n, k.update_keys.WHERE_WORDS), generator=g)
-    src_out, where_out = torch.full_like(src, -1), torch.full_like(where, -1)
+    src_out, where_out = torch.full_like(src, -1), torch.full((n, k.sort_order.WHERE_WORDS), -1, dtype=torch.int64)
     scale_out = torch.full((n,), float("nan"))
-    k.sort_order.sort_order(keys, order, src, scale, where, src_out, scale_out, where_out, scaled)
-    assert torch.equal(src_out[:ids], src[order][:ids]) and torch.equal(where_out[:ids], where[order][:ids])
+    k.sort_order.sort_order(keys, order, src, scale, tables, src_out, scale_out, where_out, scaled)
+    assert torch.equal(src_out[:ids], src[order][:ids])
+    for p in range(ids):
+        key = int(keys[p])
+        base, w_at, dim, s_at = max((row for row in tables.tolist() if row[0] <= key), key=lambda row: row[0])
+        assert where_out[p].tolist() == [w_at + (key - base) * dim, dim, s_at + key - base], p
     assert bool((src_out[ids:] == -1).all() and (where_out[ids:] == -1).all())
     if scaled:
         assert torch.equal(scale_out[:ids], scale[order][:ids]) and bool(scale_out[ids:].isnan().all())

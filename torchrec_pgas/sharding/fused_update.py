@@ -32,9 +32,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
-from torchrec_pgas.kernels.sort_order import sort_order
+from torchrec_pgas.kernels.sort_order import WHERE_WORDS, sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
-from torchrec_pgas.kernels.update_keys import WHERE_WORDS, key_dtype, update_keys
+from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
 #: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
@@ -44,12 +44,14 @@ _WEIGHT_DECAY_MODES = (0, 1, 2)
 @dataclass
 class GroupUpdate:
     """What one lookup group's update reads: its FBGEMM module, per feature its
-    table's first row, gradient column, mean pooling, weights offset, dim and
-    optimizer state offset (``features``, int64 [F, 6], see ``kernels/update_keys``),
-    and the dtype of its rows' sort keys."""
+    table's first row, gradient column and mean pooling (``features``, int64 [F, 3], see
+    ``kernels/update_keys``), per table with rows its first row, weights offset, dim and
+    optimizer state offset (``tables``, int64 [T, 4], by first row, see
+    ``kernels/sort_order``), and the dtype of its rows' sort keys."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
     features: torch.Tensor
+    tables: torch.Tensor
     optim: int
     max_dim: int
     keys: torch.dtype
@@ -81,12 +83,30 @@ def _qualifies(tbe: Any, weighted: bool) -> bool:
     )
 
 
+def row_tables(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> List[List[int]]:
+    """``sort_order``'s ``tables`` for ``tbe``: per table that has rows, by first row (in
+    the group's rows: FBGEMM's ``hash_size_cumsum``), its first row, weights offset,
+    dim and row-wise optimizer state offset (0 without one); one row of zeros when no
+    table has rows (no key then needs one). Features that share a table share its
+    first row, and a table without rows shares it with the next table."""
+    dims, at = tbe.D_offsets.tolist(), tbe.weights_offsets.tolist()
+    first_rows = tbe.hash_size_cumsum.tolist()
+    adagrad = tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    state = tbe.momentum1_offsets.tolist() if adagrad else [0] * len(at)
+    tables = {
+        first_rows[f]: [first_rows[f], at[f], dims[f + 1] - dims[f], state[f]]
+        for f, table in enumerate(tbe.feature_table_map)
+        if tbe.embedding_specs[table][0] > 0
+    }
+    return [tables[r] for r in sorted(tables)] or [[0, 0, 0, 0]]
+
+
 @dataclass
 class SortedIds:
     """One lookup group's ids of a step as its update reads them (``prepare``): the
     stable sort of their row keys, and in that order each one's gradient row (an offset
     in the gradient, rows of the pitch ``prepare`` was given), scale and row (see
-    ``kernels/update_keys``)."""
+    ``kernels/update_keys`` and ``kernels/sort_order``)."""
 
     keys: torch.Tensor
     src: torch.Tensor
@@ -118,17 +138,15 @@ class FusedUpdate:
             return None
         groups, col = [], 0
         for t in tbes:
-            dims, at = t.D_offsets.tolist(), t.weights_offsets.tolist()
-            first_rows = t.hash_size_cumsum.tolist()
-            adagrad = t.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-            state = t.momentum1_offsets.tolist() if adagrad else [0] * len(at)
+            dims, first_rows = t.D_offsets.tolist(), t.hash_size_cumsum.tolist()
             mean = int(t.pooling_mode == PoolingMode.MEAN)
             width = [dims[f + 1] - dims[f] for f in range(len(dims) - 1)]
-            features = [[first_rows[f], col + dims[f], mean, at[f], w, state[f]] for f, w in enumerate(width)]
+            features = [[first_rows[f], col + dims[f], mean] for f in range(len(width))]
             groups.append(
                 GroupUpdate(
                     tbe=t,
                     features=torch.tensor(features, dtype=torch.int64, device=self._dev),
+                    tables=torch.tensor(row_tables(t), dtype=torch.int64, device=self._dev),
                     optim=_OPTIMS[t.optimizer],
                     max_dim=max(width),
                     keys=key_dtype(int(t.total_hash_size)),
@@ -158,7 +176,6 @@ class FusedUpdate:
             keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
-            where = torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=dev)
             update_keys(
                 offsets,
                 indices,
@@ -167,7 +184,6 @@ class FusedUpdate:
                 keys,
                 src,
                 scale,
-                where,
                 bags_per_feature,
                 pitch,
                 scaled,
@@ -175,9 +191,12 @@ class FusedUpdate:
             )
             keys, order = torch.sort(keys, stable=True)
             ids = SortedIds(
-                keys, torch.empty_like(src), torch.empty_like(scale) if scaled else scale, torch.empty_like(where)
+                keys,
+                torch.empty_like(src),
+                torch.empty_like(scale) if scaled else scale,
+                torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=dev),
             )
-            sort_order(keys, order, src, scale, where, ids.src, ids.scale, ids.where, scaled)
+            sort_order(keys, order, src, scale, group.tables, ids.src, ids.scale, ids.where, scaled)
             prepared.append(ids)
         return prepared
 
