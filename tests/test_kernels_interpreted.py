@@ -1003,12 +1003,12 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
 
 @_interpreted
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("n", [1, 37, 64])
+@pytest.mark.parametrize("n", [1, 3, 5, 37, 64])
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
     indexing does, and writes each sorted position's row from its key (the last table
-    whose first row is at most the key, of 1 to 5 tables), over blocks (of 16 here) with
+    whose first row is at most the key, of 1 to 5 tables: ``1 + n % 5``), over blocks (of 16 here) with
     a partial last one, up to the first sentinel key (positions past the ids, about a third here, are left as they
     were); the scale is left alone unless ``scaled``."""
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
