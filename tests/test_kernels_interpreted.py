@@ -1008,9 +1008,10 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
     indexing does, and writes each sorted position's row from its key (the last table
-    whose first row is at most the key, of 1 to 5 tables: ``1 + n % 5``), over blocks (of 16 here) with
-    a partial last one, up to the first sentinel key (positions past the ids, about a third here, are left as they
-    were); the scale is left alone unless ``scaled``."""
+    whose first row is at most the key, of ``1 + n % 5`` tables), over blocks (of 16
+    here) with a partial last one, up to the first sentinel key (positions past the ids,
+    about a third here, are left as they were); the scale is left alone unless
+    ``scaled``."""
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
     g = torch.Generator().manual_seed(n)
     # Per table with rows: first row, weights offset, dim, state offset.
