@@ -14,6 +14,11 @@ step reuses (flow control): its signal must have reached ``step - wait_depth``. 
 for this rank to ``step``. The step is read from device memory (``step_clock``), so
 that a replayed CUDA graph puts the step it replays.
 
+A rank's puts to itself are plain copies (``COPY`` bytes at a time, 16 at once where the
+addresses allow) counted in with a release add to its own signal after the block's barrier:
+NVSHMEM's block put to the calling PE copies through the same path as to a peer, at a
+fraction of the GPU's copy bandwidth (CHANGELOG.md has the measurement).
+
 Buffers:
     peers:   int32 [P]             destination rank of program row p
     chunks:  int64 [P, NCHUNK, 3]  per chunk: destination byte offset in ``dst_base``'s
@@ -38,6 +43,30 @@ PROGRAMS_PER_PEER = 32
 #: Shares start at multiples of this many bytes, so the block copies stay vectorized.
 ALIGN = 16
 NUM_WARPS = 4
+#: Bytes a program copies at once in a put to its own rank.
+COPY = 8192
+
+
+@triton.jit
+def copy_bytes(dst, src, size, COPY: tl.constexpr):
+    """Copies ``size`` bytes from address ``src`` to address ``dst`` (both in this GPU's
+    memory): whole blocks of ``COPY`` bytes unmasked (16 bytes per access where both
+    addresses are multiples of 16; a masked access is one byte at a time), then the
+    rest byte by byte."""
+    at = tl.arange(0, COPY).to(tl.int64)
+    d = dst.to(tl.pointer_type(tl.uint8), bitcast=True)
+    s = src.to(tl.pointer_type(tl.uint8), bitcast=True)
+    whole = size - size % COPY
+    if ((dst | src) & 15) == 0:
+        for i in range(0, whole, COPY):
+            d_i = tl.multiple_of(d + i, 16)
+            s_i = tl.multiple_of(s + i, 16)
+            tl.store(d_i + at, tl.load(s_i + at))
+    else:
+        for i in range(0, whole, COPY):
+            tl.store(d + i + at, tl.load(s + i + at))
+    rest = whole + at < size
+    tl.store(d + whole + at, tl.load(s + whole + at, mask=rest), mask=rest)
 
 
 @nv.uses_nvshmem
@@ -57,6 +86,7 @@ def put_signal_kernel(
     NCHUNK: tl.constexpr,
     PROGRAMS: tl.constexpr,
     ALIGN: tl.constexpr,
+    COPY: tl.constexpr,
 ):
     p = tl.program_id(0)
     j = tl.program_id(1)
@@ -79,7 +109,15 @@ def put_signal_kernel(
             size = tl.minimum(share, nbytes - start)
             dst = dst_base + tl.load(row) + start
             src = tl.load(row + 1) + start
-            if c < NCHUNK - 1:
+            if peer == me:
+                # Symmetric addresses are this rank's own.
+                copy_bytes(dst, src, size, COPY)
+                if c == NCHUNK - 1:
+                    # Every thread's copies are done before the count (release: the
+                    # data is visible to whoever acquires the signal).
+                    tl.debug_barrier()
+                    tl.atomic_add(sig.to(tl.pointer_type(tl.uint64), bitcast=True), 1, sem="release", scope="sys")
+            elif c < NCHUNK - 1:
                 if size > 0:
                     nv.putmem_nbi_block(dst, src, size, peer)
             else:
@@ -129,6 +167,7 @@ def put_signal(
         NCHUNK=nchunk,
         PROGRAMS=PROGRAMS_PER_PEER,
         ALIGN=ALIGN,
+        COPY=COPY,
         num_warps=NUM_WARPS,
         extern_libs=nv.bitcode_libs(),
     )

@@ -20,6 +20,7 @@ from torchrec_pgas.kernels import (
     lookup_put,  # noqa: E402
     nvshmem_device,  # noqa: E402
     output_take,  # noqa: E402
+    put_signal,  # noqa: E402
     row_update,  # noqa: E402
     rows_put,  # noqa: E402
     run_update,  # noqa: E402
@@ -64,13 +65,9 @@ CASES = {
             "NCHUNK": "constexpr",
             "PROGRAMS": "constexpr",
             "ALIGN": "constexpr",
+            "COPY": "constexpr",
         },
-        [
-            {"NCHUNK": 4, "PROGRAMS": 32, "ALIGN": 16},
-            {"NCHUNK": 13, "PROGRAMS": 32, "ALIGN": 16},
-            {"NCHUNK": 1, "PROGRAMS": 32, "ALIGN": 16},
-            {"NCHUNK": 0, "PROGRAMS": 32, "ALIGN": 16},
-        ],
+        [{"NCHUNK": n, "PROGRAMS": 32, "ALIGN": 16, "COPY": put_signal.COPY} for n in (4, 13, 1, 0)],
     ),
     "signal_wait": (
         signal_wait_kernel,
@@ -518,6 +515,17 @@ def _variant(name, **chosen):
     """The one constexpr set of ``CASES[name]`` with the ``chosen`` values."""
     (found,) = [c for c in CASES[name][2] if all(c[k] == v for k, v in chosen.items())]
     return found
+
+
+def test_put_signal_copies_its_own_share_16_bytes_at_once_and_releases_the_count():
+    """A put to the rank itself is a plain copy: 16-byte loads and stores where the
+    addresses allow, then one add to the rank's own signal with release semantics at
+    system scope (what the waits acquire), after the block's barrier."""
+    ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=4), put_signal.NUM_WARPS)
+    assert ptx.count("ld.global.v4.b32") >= 4 and ptx.count("st.global.v4.b32") >= 4
+    assert ptx.count("atom.global.sys.release.add.u64") == 1
+    ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=0), put_signal.NUM_WARPS)
+    assert "atom.global.sys.release" not in ptx, "a pure release puts nothing"
 
 
 def test_pooled_rows_move_four_elements_at_once():
