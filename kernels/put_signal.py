@@ -14,10 +14,11 @@ step reuses (flow control): its signal must have reached ``step - wait_depth``. 
 for this rank to ``step``. The step is read from device memory (``step_clock``), so
 that a replayed CUDA graph puts the step it replays.
 
-A rank's puts to itself are plain copies (``COPY`` bytes at a time, 16 at once where the
-addresses allow) counted in with a release add to its own signal after the block's barrier:
-NVSHMEM's block put to the calling PE copies through the same path as to a peer, at a
-fraction of the GPU's copy bandwidth (CHANGELOG.md has the measurement).
+A rank's puts to itself are plain copies (``COPY`` bytes at a time, in the widest words
+the addresses and sizes allow), counted in with a release add to its own signal after
+the block's barrier: NVSHMEM's block put to the calling PE copies through the same path
+as to a peer, at a fraction of the GPU's copy bandwidth (CHANGELOG.md has the
+measurement).
 
 Buffers:
     peers:   int32 [P]             destination rank of program row p
@@ -43,30 +44,48 @@ PROGRAMS_PER_PEER = 32
 #: Shares start at multiples of this many bytes, so the block copies stay vectorized.
 ALIGN = 16
 NUM_WARPS = 4
-#: Bytes a program copies at once in a put to its own rank.
-COPY = 8192
+#: Bytes a program copies at once in a put to its own rank (4 to 8 accesses per thread:
+#: a wider tile holds more registers, and every program of the launch, the peers' too,
+#: is compiled with the most any path needs).
+COPY = 4096
+
+
+@triton.jit
+def _copy(d, s, count, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Copies ``count`` elements of ``s``'s type from ``s`` to ``d``: whole tiles of
+    ``BLOCK`` unmasked (with ``ALIGNED``, both 16-byte aligned: 16 bytes per access; a
+    masked access is one element at a time), then the rest."""
+    at = tl.arange(0, BLOCK)
+    whole = count - count % BLOCK
+    for i in range(0, whole, BLOCK):
+        d_i = d + i
+        s_i = s + i
+        if ALIGNED:
+            d_i = tl.multiple_of(d_i, 16)
+            s_i = tl.multiple_of(s_i, 16)
+        tl.store(d_i + at, tl.load(s_i + at))
+    rest = whole + at < count
+    tl.store(d + whole + at, tl.load(s + whole + at, mask=rest), mask=rest)
 
 
 @triton.jit
 def copy_bytes(dst, src, size, COPY: tl.constexpr):
     """Copies ``size`` bytes from address ``src`` to address ``dst`` (both in this GPU's
-    memory): whole blocks of ``COPY`` bytes unmasked (16 bytes per access where both
-    addresses are multiples of 16; a masked access is one byte at a time), then the
-    rest byte by byte."""
-    at = tl.arange(0, COPY).to(tl.int64)
-    d = dst.to(tl.pointer_type(tl.uint8), bitcast=True)
-    s = src.to(tl.pointer_type(tl.uint8), bitcast=True)
-    whole = size - size % COPY
-    if ((dst | src) & 15) == 0:
-        for i in range(0, whole, COPY):
-            d_i = tl.multiple_of(d + i, 16)
-            s_i = tl.multiple_of(s + i, 16)
-            tl.store(d_i + at, tl.load(s_i + at))
+    memory) in the widest words that both addresses and the size allow: ids chunks are
+    8-byte aligned, lengths and weights 4-byte aligned."""
+    words = dst | src | size
+    if (words & 15) == 0:
+        i64 = tl.pointer_type(tl.int64)
+        _copy(dst.to(i64, bitcast=True), src.to(i64, bitcast=True), size // 8, COPY // 8, True)
+    elif (words & 7) == 0:
+        i64 = tl.pointer_type(tl.int64)
+        _copy(dst.to(i64, bitcast=True), src.to(i64, bitcast=True), size // 8, COPY // 8, False)
+    elif (words & 3) == 0:
+        i32 = tl.pointer_type(tl.int32)
+        _copy(dst.to(i32, bitcast=True), src.to(i32, bitcast=True), size // 4, COPY // 4, False)
     else:
-        for i in range(0, whole, COPY):
-            tl.store(d + i + at, tl.load(s + i + at))
-    rest = whole + at < size
-    tl.store(d + whole + at, tl.load(s + whole + at, mask=rest), mask=rest)
+        u8 = tl.pointer_type(tl.uint8)
+        _copy(dst.to(u8, bitcast=True), src.to(u8, bitcast=True), size, COPY // 8, False)
 
 
 @nv.uses_nvshmem

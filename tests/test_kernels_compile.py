@@ -6,6 +6,8 @@ they do; the GPU tests (tests/test_gpu.py) prove that on the device.
 
 import os
 import re
+import subprocess
+import tempfile
 
 import pytest
 
@@ -517,15 +519,35 @@ def _variant(name, **chosen):
     return found
 
 
-def test_put_signal_copies_its_own_share_16_bytes_at_once_and_releases_the_count():
+def test_put_signal_copies_its_own_share_in_words_and_releases_the_count_after_it():
     """A put to the rank itself is a plain copy: 16-byte loads and stores where the
-    addresses allow, then one add to the rank's own signal with release semantics at
-    system scope (what the waits acquire), after the block's barrier."""
-    ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=4), put_signal.NUM_WARPS)
-    assert ptx.count("ld.global.v4.b32") >= 4 and ptx.count("st.global.v4.b32") >= 4
-    assert ptx.count("atom.global.sys.release.add.u64") == 1
+    addresses and sizes allow, and one add to the rank's own signal with release
+    semantics at system scope (what the waits acquire), after the block's barrier and
+    after every chunk's stores; the copy keeps the kernel's registers at most 64 (every
+    program of the launch, the peers' too, is compiled with the most any path needs)."""
+    for nchunk in (1, 4, 13):
+        ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=nchunk), put_signal.NUM_WARPS)
+        stores = [m.start() for m in re.finditer(r"st\.global\.v2\.b64", ptx)]
+        assert ptx.count("ld.global.v2.b64") >= nchunk and len(stores) >= nchunk
+        assert ptx.count("atom.global.sys.release.add.u64") == 1
+        release = ptx.index("atom.global.sys.release.add.u64")
+        barrier = ptx.rfind("bar.sync", 0, release)
+        assert barrier > max(stores) and "st.global" not in ptx[barrier:release]
+        assert _registers(ptx) <= 64
     ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=0), put_signal.NUM_WARPS)
-    assert "atom.global.sys.release" not in ptx, "a pure release puts nothing"
+    assert "v2.b64" not in ptx and "atom.global.sys.release" not in ptx, "a pure release copies nothing"
+
+
+def _registers(ptx: str) -> int:
+    """The registers per thread that ptxas (Triton's own) gives ``ptx`` for sm_90a."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return max(int(n) for n in re.findall(r"Used (\d+) registers", done.stderr))
 
 
 def test_pooled_rows_move_four_elements_at_once():

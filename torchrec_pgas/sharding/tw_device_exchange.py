@@ -42,7 +42,8 @@ Peers without a peer mapping (other nodes; every peer with
 ``PgasOptions(remote_path="put")``) are served by the same launches compiled with
 ``put_path``: rows and gradients go through local symmetric staging and NVSHMEM puts,
 counts and releases through NVSHMEM signals (``PeerTables``). Ids and the slots'
-releases always travel by NVSHMEM puts (``put_signal``), on either path.
+releases always travel by ``put_signal``, on either path: NVSHMEM puts to peers, a plain
+copy to the rank itself.
 
 The class below reads in that order; its constructor, the allocation at the first
 send, the host's check of a step's record and ``close`` are its base's
