@@ -21,7 +21,11 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
+from torchrec_pgas.kernels.put_signal import copy_bytes  # noqa: E402
 from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, StepRef  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -1102,3 +1106,29 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
         torch.testing.assert_close(mine.weights_dev, ref.weights_host.detach(), rtol=1e-6, atol=1e-6)
         if ref.optimizer.name == "EXACT_ROWWISE_ADAGRAD":
             torch.testing.assert_close(mine.momentum1_dev, ref.momentum1_host.detach(), rtol=1e-6, atol=1e-6)
+
+
+@triton.jit
+def _self_copy(addrs, size: tl.int64, COPY: tl.constexpr):
+    """``copy_bytes`` from ``addrs[1]`` to ``addrs[0]``."""
+    copy_bytes(tl.load(addrs), tl.load(addrs + 1), size, COPY)
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", [0, 1])
+def test_self_copy_of_put_signal_at_every_alignment(seed):
+    """``put_signal``'s copy to the rank itself (``copy_bytes``) equals torch's copy for
+    sources and destinations at byte offsets 0 to 16 and sizes that are multiples of
+    16, 8, 4 or 1 (each word path), across tiles (of 256 bytes here) and a tail, and
+    writes nothing around its destination."""
+    g = torch.Generator().manual_seed(seed)
+    for case in range(30):
+        unit = [1, 4, 8, 16][case % 4]
+        size = int(torch.randint(0, 1500, (1,), generator=g)) // unit * unit
+        at_src, at_dst = [0, 1, 4, 8, 16][case % 5], [0, 2, 4, 8, 16][(case // 5) % 5]
+        src = torch.randint(0, 256, (size + 32,), generator=g, dtype=torch.uint8)
+        dst = torch.zeros(size + 32, dtype=torch.uint8)
+        _self_copy[(1,)](torch.tensor([dst.data_ptr() + at_dst, src.data_ptr() + at_src]), size, COPY=256)
+        expected = torch.zeros(size + 32, dtype=torch.uint8)
+        expected[at_dst : at_dst + size] = src[at_src : at_src + size]
+        assert torch.equal(dst, expected), (case, size, at_src, at_dst)
