@@ -73,10 +73,11 @@ from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
 from torchrec_pgas.kernels.rows_put import PUT_ROWS
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
 
-#: One warp per bag, as FBGEMM.
-BLOCK_B = 2
+#: Bags per program, two per warp: fewer, wider programs keep more rows in flight per
+#: multiprocessor (its count of resident programs is capped) and tick ``done`` less often.
+BLOCK_B = 8
 BLOCK_D = 128
-NUM_WARPS = 2
+NUM_WARPS = 4
 #: Rows of a bag loaded at once: more rows in flight cost more in register pressure
 #: than the extra loads gain (CHANGELOG.md has the measurements).
 ROWS = 4

@@ -58,7 +58,7 @@ from torchrec_pgas.kernels.update_keys import sentinel
 #: block), at least a tile's.
 TILE = 512
 MIN_ROWS = 1
-BLOCK = 32
+BLOCK = 64
 NUM_WARPS = 1
 
 
