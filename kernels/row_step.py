@@ -9,11 +9,26 @@ with fp32 weights, as FBGEMM's fused backward applies them:
   ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 #: ``OPTIM`` values.
 SGD, ROWWISE_ADAGRAD = 0, 1
+
+
+class StepRule(NamedTuple):
+    """The optimizer step of both launches of the update: the rule (``SGD`` or
+    ``ROWWISE_ADAGRAD``) and its hyper-parameters as FBGEMM's fused backward reads them
+    (``weight_decay_mode``: 0 none, 1 L2, 2 decoupled; weight decay applies to
+    ``ROWWISE_ADAGRAD`` only)."""
+
+    optim: int
+    learning_rate: float
+    eps: float = 0.0
+    weight_decay: float = 0.0
+    weight_decay_mode: int = 0
 
 
 @triton.jit

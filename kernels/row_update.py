@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
-from torchrec_pgas.kernels.row_step import row_step
+from torchrec_pgas.kernels.row_step import StepRule, row_step
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS
 from torchrec_pgas.kernels.update_keys import sentinel
 
@@ -207,11 +207,7 @@ def row_update(
     partial: torch.Tensor,
     verdict: torch.Tensor,
     max_dim: int,
-    optim: int,
-    learning_rate: float,
-    eps: float,
-    weight_decay: float,
-    weight_decay_mode: int,
+    rule: StepRule,
     scaled: bool,
 ) -> None:
     """Launches ``cdiv(N, block_positions(max_dim))`` programs (see the module docstring)."""
@@ -232,11 +228,11 @@ def row_update(
         partial,
         verdict,
         n,
-        learning_rate,
-        eps,
-        weight_decay,
-        weight_decay_mode,
-        OPTIM=optim,
+        rule.learning_rate,
+        rule.eps,
+        rule.weight_decay,
+        rule.weight_decay_mode,
+        OPTIM=rule.optim,
         SCALED=scaled,
         SENTINEL=sentinel(keys.dtype),
         WHERE_WORDS=WHERE_WORDS,

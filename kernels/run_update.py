@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.row_step import row_step
+from torchrec_pgas.kernels.row_step import StepRule, row_step
 from torchrec_pgas.kernels.row_update import TILE, block_positions, dim_block, row_where
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS
 from torchrec_pgas.kernels.update_keys import sentinel
@@ -138,11 +138,7 @@ def run_update(
     partial: torch.Tensor,
     verdict: torch.Tensor,
     max_dim: int,
-    optim: int,
-    learning_rate: float,
-    eps: float,
-    weight_decay: float,
-    weight_decay_mode: int,
+    rule: StepRule,
 ) -> None:
     """Launches one program per ``BLOCKS`` blocks of ``row_update`` (see the module
     docstring)."""
@@ -161,11 +157,11 @@ def run_update(
         n,
         blocks,
         max(blocks, 1).bit_length(),
-        learning_rate,
-        eps,
-        weight_decay,
-        weight_decay_mode,
-        OPTIM=optim,
+        rule.learning_rate,
+        rule.eps,
+        rule.weight_decay,
+        rule.weight_decay_mode,
+        OPTIM=rule.optim,
         SENTINEL=sentinel(keys.dtype),
         WHERE_WORDS=WHERE_WORDS,
         BLOCK=block,

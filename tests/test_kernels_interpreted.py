@@ -891,11 +891,11 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
-        hyper = (0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
+        rule = row_step.StepRule(optim, 0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
         k.row_update.row_update(
-            sorted_keys, src, scale, where, grad, table, state, partial, verdict, max(dims), optim, *hyper, scaled
+            sorted_keys, src, scale, where, grad, table, state, partial, verdict, max(dims), rule, scaled
         )  # fmt: skip
-        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, max(dims), optim, *hyper)
+        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, max(dims), rule)
         return table, state
 
     ok_record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)

@@ -29,7 +29,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD
+from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS, sort_order
@@ -226,7 +226,8 @@ class FusedUpdate:
             args = tbe.optimizer_args
             adagrad = group.optim == ROWWISE_ADAGRAD
             state = tbe.momentum1_dev if adagrad else self._no_weights
-            hyper = (
+            rule = StepRule(
+                group.optim,
                 float(tbe.get_learning_rate()),
                 float(args.eps),
                 float(args.weight_decay) if adagrad else 0.0,
@@ -243,8 +244,7 @@ class FusedUpdate:
                 partial,
                 verdict,
                 group.max_dim,
-                group.optim,
-                *hyper,
+                rule,
                 self._scaled(group),
             )
             run_update(
@@ -255,8 +255,7 @@ class FusedUpdate:
                 partial,
                 verdict,
                 group.max_dim,
-                group.optim,
-                *hyper,
+                rule,
             )
 
 
