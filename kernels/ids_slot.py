@@ -182,11 +182,16 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
         where = f" (negative length in feature '{features[d[0]].name}')" if d[0] >= 0 else ""
         return f"rank {source} sent a KJT whose lengths and values disagree{where}"
     if header.status == Status.UNKNOWN_FEATURES:
-        where = f"where the plan has '{features[d[0]].name}'" if d[0] < len(features) else f"at position {d[0]}"
+        if d[0] < len(features):
+            where = f"where the plan has '{features[d[0]].name}'"
+        else:
+            where = f"after the plan's last, '{features[-1].name}'" if features else "at position 0"
+        names = [f.name for f in features]
+        expected = str(names) if len(names) <= 8 else f"{str(names[:8])[:-1]}, ...]"
         return (
             f"rank {source} sent a KJT whose features are not the model's (they differ "
-            f"{where}; {d[1]} features sent, {d[2]} expected): every batch must carry the "
-            f"features of the first, in the same order"
+            f"{where}; {d[1]} features sent, {d[2]} expected: {expected}): "
+            f"every batch must carry the features of the first, in the same order"
         )
     if header.status == Status.BAD_DTYPE:
         what = {

@@ -100,6 +100,21 @@ BAD = {
         ),
         r"rank 1 .*(2-D|not 1-D|2 dimensions)",
     ),
+    # One feature each: t1 is TorchRec's in "pgas_tw+table_wise" and t0 in
+    # "pgas_rw+table_wise" (FBGEMM would raise on their owner alone for a negative id,
+    # and serve an id past the table as row 0), PGAS tables' elsewhere.
+    "negative id in f1": (
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, -1, 3, 1, 2]), lengths=torch.ones(6, dtype=torch.int64)
+        ),
+        r"rank 1 .*id -1 for feature 'f1' of table 't1', which has 23 rows",
+    ),
+    "id past the table in f0": (
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"], values=torch.tensor([1, 11, 2, 3, 1, 2]), lengths=torch.ones(6, dtype=torch.int64)
+        ),
+        r"rank 1 .*id 11 for feature 'f0' of table 't0', which has 11 rows",
+    ),
     "float ids": (
         lambda: KeyedJaggedTensor(
             keys=["f0", "f1", "f2"], values=torch.arange(1, 7).float(), lengths=torch.tensor([1, 1, 1, 1, 1, 1])

@@ -345,11 +345,38 @@ def _unknown_feature(rank, world_size, owners):
     ):
         model(bad)
     assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+    # Rank 1 adds a feature after the plan's: the message names where and what the plan has.
+    extra = keys + ["f_extra"] if rank == 1 else keys
+    values = torch.arange(2 * len(extra)) % 10
+    bad = KeyedJaggedTensor(keys=extra, values=values, lengths=torch.full((2 * len(extra),), 1))
+    with pytest.raises(
+        PgasInputError,
+        match=r"they differ after the plan's last, 'f2'; 4 features sent, 3 expected: \['f0', 'f1', 'f2'\]\)",
+    ):
+        model(bad)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
 
 
 @pytest.mark.parametrize("owners", [[0, 1, 1], [1, 0, 1]], ids=["in-order", "permuted"])
 def test_a_feature_the_plan_does_not_know_raises_on_every_rank(owners):
     run_ranks(_unknown_feature, WORLD, owners=owners)
+
+
+def _unaligned_dim(rank, world_size, kind):
+    # t0's owner (rank 1) is the only rank whose TorchRec lookup would assert.
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=6, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
+    ]
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    gen = {"pgas_table_wise": pgas_tw, "table_wise": torchrec_tw}[kind]
+    with pytest.raises(ValueError, match=r"table\(s\) \['t0'\] would have shards of \{'t0': \[6\]\} columns"):
+        shard(ref, {"t0": gen(1), "t1": pgas_tw(0)}, world_size, PgasEmbeddingBagCollectionSharder())
+
+
+@pytest.mark.parametrize("kind", ["pgas_table_wise", "table_wise"])
+def test_a_dim_not_a_multiple_of_4_is_refused_on_every_rank(kind):
+    run_ranks(_unaligned_dim, WORLD, kind=kind)
 
 
 def _variable_batch(rank, world_size):

@@ -106,6 +106,28 @@ def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
     run_ranks(_empty_shard, 3)
 
 
+def _empty_group(rank, world_size):
+    from torchrec import EmbeddingBagConfig
+
+    # t1 is the only mean table (a lookup group of its own): ceil(2 / 3) = 1 row per
+    # rank leaves rank 2 a group with no rows at all; dims are equal.
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=30, feature_names=["f0"]),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=8, num_embeddings=2, feature_names=["f1"], pooling=PoolingType.MEAN
+        ),
+    ]
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match=r"table\(s\) \['t1'\] get no rows on rank 2 .* no other table of their lookup"
+    ):
+        shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
+
+
+def test_a_lookup_group_with_no_rows_on_a_rank_is_refused_on_every_rank():
+    run_ranks(_empty_group, 3)
+
+
 def _mixed_row_wise_kinds(rank, world_size):
     tables = make_tables(2, seed=6, pooling=PoolingType.MEAN)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))

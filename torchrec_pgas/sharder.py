@@ -1,7 +1,7 @@
 """The sharder and sharded module that put the PGAS sharding types into TorchRec."""
 
 import functools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import (
     first_batch_problem,
+    ids_range_problem,
     input_problem,
     module_batch_problem,
     raise_on_every_rank,
@@ -43,6 +44,24 @@ from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, feature_rows, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
+
+
+def _refuse_unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]) -> None:
+    """FBGEMM's kernels take only column shards of a multiple of 4 elements, which
+    TorchRec asserts while it builds the lookup, on the ranks that own the table alone
+    (the others then wait for them): refused here, on every rank, naming the tables."""
+    bad = {}
+    for config in module.embedding_bag_configs():
+        spec = params[config.name].sharding_spec if config.name in params else None
+        widths = {shard.shard_sizes[1] for shard in spec.shards} if spec is not None else {config.embedding_dim}
+        if any(w % 4 for w in widths):
+            bad[config.name] = sorted(widths)
+    if bad:
+        raise ValueError(
+            f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's kernels (and so "
+            f"every TorchRec lookup) need a multiple of 4; use dims, or column-wise shard widths, "
+            f"that are multiples of 4"
+        )
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -186,6 +205,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if problem is None and self._has_uninitialized_input_dist:
             problem = first_batch_problem(features, self._embedding_bag_configs)
         if len(pgas) < len(self._embedding_shardings):
+            if problem is None:
+                problem = ids_range_problem(features, self._torchrec_feature_rows())
             raise_on_every_rank(self._env.process_group, problem)
         elif problem is not None:
             return self._refused_input_dist(ctx, features, problem)
@@ -195,6 +216,16 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights.
             features = with_float32_weights(features)
         return super().input_dist(ctx, features)
+
+    def _torchrec_feature_rows(self) -> Dict[str, Tuple[str, int]]:
+        """Per feature of a table in one of TorchRec's own sharding types: its table's
+        name and row count."""
+        return {
+            f: (c.name, c.num_embeddings)
+            for c in self._embedding_bag_configs
+            if self.module_sharding_plan[c.name].sharding_type not in PGAS_SHARDING_TYPES
+            for f in c.feature_names
+        }
 
     def _sharding_feature_names(self) -> List[str]:
         return [f for s in self._embedding_shardings for f in s.feature_names()]
@@ -343,6 +374,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ShardedPgasEmbeddingBagCollection:
+        _refuse_unaligned_columns(module, params)
         return ShardedPgasEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

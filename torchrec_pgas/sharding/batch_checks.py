@@ -2,7 +2,8 @@
 TorchRec would crash on, raise on one rank only, or serve wrongly becomes the same
 ``PgasInputError`` on every rank (``ShardedPgasEmbeddingBagCollection.input_dist``)."""
 
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,31 @@ def module_batch_problem(
     if total != values.numel():
         return f"lengths add up to {total}, not to the {values.numel()} values"
     return None
+
+
+def ids_range_problem(features: KeyedJaggedTensor, rows: Dict[str, Tuple[str, int]]) -> Optional[str]:
+    """The first id of a feature in ``rows`` (feature: its table and the table's row
+    count) that is not a row of its table, said as "ids ...", or None. For the
+    features of TorchRec's own sharding types beside PGAS ones (whose exchanges check
+    their own): FBGEMM would serve an id past the table as row 0 and raise for a
+    negative one on its owner alone. One read-back; ``features`` passed
+    ``module_batch_problem``."""
+    keys, values = features.keys(), features.values()
+    if not values.numel() or not any(k in rows for k in keys):
+        return None
+    lengths = features.length_per_key()
+    bounds = torch.tensor([rows[k][1] if k in rows else -1 for k in keys], device=values.device)
+    per_value = bounds.repeat_interleave(torch.tensor(lengths, device=values.device), output_size=values.numel())
+    bad = (per_value >= 0) & ((values < 0) | (values >= per_value))
+    if not bool(bad.any()):
+        return None
+    first = int(torch.nonzero(bad)[0, 0])
+    key = keys[next(i for i, end in enumerate(itertools.accumulate(lengths)) if first < end)]
+    table, n = rows[key]
+    return (
+        f"ids are out of range (id {int(values[first])} for feature '{key}' of table '{table}', "
+        f"which has {n} rows: ids must be in [0, {n}))"
+    )
 
 
 def first_batch_problem(features: KeyedJaggedTensor, configs: List[EmbeddingBagConfig]) -> Optional[str]:

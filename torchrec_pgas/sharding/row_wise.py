@@ -21,22 +21,32 @@ from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 
-def _refuse_empty_shards_beside_other_dims(configs_per_rank: List[List[Any]]) -> None:
+def _refuse_empty_cpu_lookups(configs_per_rank: List[List[Any]]) -> None:
     """Row blocks are ``ceil(rows / world)``, so a small table can leave a rank no rows.
-    FBGEMM's CPU backward then updates the wrong rows of the other tables of that
-    lookup group when their dims differ (the forward is right): refuse such plans, on
-    every rank, rather than train silently wrong."""
+    FBGEMM's CPU lookup then fails on that rank alone when every table of a lookup
+    group is empty there (no weights at all), and its CPU backward updates the wrong
+    rows of the group's other tables when their dims differ (the forward is right):
+    refuse such plans, on every rank (the plan is the same everywhere), rather than
+    fail on one rank or train silently wrong."""
     for rank, configs in enumerate(configs_per_rank):
         for config in configs:
             tables = config.embedding_tables
             empty = [t.name for t in tables if t.local_rows == 0]
-            if empty and len({t.local_cols for t in tables}) > 1:
-                raise ValueError(
-                    f"{PGAS_ROW_WISE}: table(s) {empty} get no rows on rank {rank} (row blocks "
-                    f"are ceil(rows / world size)) and share a lookup with tables of other "
-                    f"dims, which FBGEMM's CPU backward updates wrongly; give those tables "
-                    f"at least as many rows as ranks, or shard them {PGAS_TABLE_WISE}"
+            if not empty:
+                continue
+            if len(empty) == len(tables):
+                why = (
+                    "and no other table of their lookup group has rows there: FBGEMM's CPU lookup takes no empty group"
                 )
+            elif len({t.local_cols for t in tables}) > 1:
+                why = "and share a lookup with tables of other dims, which FBGEMM's CPU backward updates wrongly"
+            else:
+                continue
+            raise ValueError(
+                f"{PGAS_ROW_WISE}: table(s) {empty} get no rows on rank {rank} (row blocks "
+                f"are ceil(rows / world size)) {why}; give those tables at least as many rows "
+                f"as ranks, or shard them {PGAS_TABLE_WISE}"
+            )
 
 
 def _refuse_ranks_without_rows(configs_per_rank: List[List[Any]]) -> None:
@@ -71,7 +81,7 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
         super().__init__(*args, **kwargs)
         _refuse_ranks_without_rows(self._grouped_embedding_configs_per_rank)
         if self._device is None or self._device.type == "cpu":
-            _refuse_empty_shards_beside_other_dims(self._grouped_embedding_configs_per_rank)
+            _refuse_empty_cpu_lookups(self._grouped_embedding_configs_per_rank)
 
     def _make_exchange(self, device: torch.device) -> Any:
         assert self._pg is not None
