@@ -115,6 +115,17 @@ BAD = {
         ),
         r"rank 1 .*id 11 for feature 'f0' of table 't0', which has 11 rows",
     ),
+    # Lengths that do not add up to the values, in a batch of a variable batch size
+    # per feature (whose lengths the host check leaves to the exchanges).
+    "variable batch, short lengths": (
+        lambda: KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"],
+            values=torch.arange(1, 6),
+            lengths=torch.tensor([1, 1, 1]),
+            stride_per_key_per_rank=[[1], [1], [1]],
+        ),
+        r"rank 1 .*(variable batch|varies per feature)",
+    ),
     "float ids": (
         lambda: KeyedJaggedTensor(
             keys=["f0", "f1", "f2"], values=torch.arange(1, 7).float(), lengths=torch.tensor([1, 1, 1, 1, 1, 1])
@@ -140,6 +151,30 @@ def _bad_batch_on_rank_1(rank, world_size, mix, case):
 @pytest.mark.parametrize("mix", ["pgas_tw+pgas_rw", "pgas_tw+table_wise", "pgas_rw+table_wise"])
 def test_a_bad_batch_on_one_rank_raises_on_every_rank_in_mixed_modules(mix, case):
     run_ranks(_bad_batch_on_rank_1, WORLD, mix=mix, case=case, deadline_s=180)
+
+
+def _shared_feature_ids(rank, world_size):
+    # f0 is read by two TorchRec tables of 5 and 20 rows: its ids must be rows of both.
+    tables = [
+        EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=5, feature_names=["f0"]),
+        EmbeddingBagConfig(name="big", embedding_dim=4, num_embeddings=20, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=9, feature_names=["f1"]),
+    ]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    placement = {"small": torchrec_tw(1), "big": torchrec_tw(0), "t1": pgas_tw(1)}
+    model = shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder(options=PgasOptions(timeout_s=30)))
+    ones = torch.ones(4, dtype=torch.int64)
+    good = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([4, 0, 8, 3]), lengths=ones)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+    bad = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([7, 0, 8, 3]), lengths=ones)
+    with pytest.raises(PgasInputError, match=r"rank 1 .*id 7 for feature 'f0' of table 'small', which has 5 rows"):
+        model(bad if rank == 1 else good)
+    assert_close_to_reference(model(good).to_dict(), reference_pooled(tables, ref.state_dict(), good))
+
+
+def test_ids_of_a_feature_two_torchrec_tables_read_are_checked_against_the_smaller():
+    run_ranks(_shared_feature_ids, WORLD)
 
 
 @pytest.mark.parametrize("case", ["negative length", "2-D values", "duplicate key"])

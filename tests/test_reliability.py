@@ -2,6 +2,7 @@
 float64 oracle (hypothesis), bad dtypes, a rank that dies mid-step, and no leaked
 mappings when sharded models come and go."""
 
+import functools
 import gc
 import os
 import queue
@@ -30,7 +31,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
-from torchrec_pgas.sharding_plan import pgas_row_wise
+from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.transport import PgasTimeoutError, PgasTransportUnavailableError, get_transport
 from torchrec_pgas.types import PgasOptions
 
@@ -377,6 +378,28 @@ def _unaligned_dim(rank, world_size, kind):
 @pytest.mark.parametrize("kind", ["pgas_table_wise", "table_wise"])
 def test_a_dim_not_a_multiple_of_4_is_refused_on_every_rank(kind):
     run_ranks(_unaligned_dim, WORLD, kind=kind)
+
+
+def _unaligned_dense(rank, world_size):
+    from torchrec.distributed.sharding_plan import data_parallel
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=6, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(3)
+    ]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    dense_tw = functools.partial(pgas_table_wise, compute_kernel="dense")
+    placement = {"t0": dense_tw(1), "t1": dense_tw(0), "t2": data_parallel()}
+    model = shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"], values=torch.tensor([1, 9, 0, 4, 5, 2]), lengths=torch.ones(6, dtype=torch.int64)
+    )
+    assert_close_to_reference(model(kjt).to_dict(), reference_pooled(tables, ref.state_dict(), kjt))
+
+
+def test_dims_not_multiples_of_4_are_served_by_the_dense_kernel():
+    """FBGEMM's dense kernel (and so data-parallel tables) takes any dim."""
+    run_ranks(_unaligned_dense, WORLD)
 
 
 def _variable_batch(rank, world_size):

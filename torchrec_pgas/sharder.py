@@ -11,6 +11,7 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
     KJTListSplitsAwaitable,
 )
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionAwaitable,
     EmbeddingBagCollectionContext,
@@ -47,20 +48,24 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_W
 
 
 def _refuse_unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]) -> None:
-    """FBGEMM's kernels take only column shards of a multiple of 4 elements, which
-    TorchRec asserts while it builds the lookup, on the ranks that own the table alone
-    (the others then wait for them): refused here, on every rank, naming the tables."""
+    """FBGEMM's batched kernels other than the dense one (``fused``, ``fused_uvm``, ...)
+    take only column shards of a multiple of 4 elements, which TorchRec asserts while
+    it builds the lookup, on the ranks that own the table alone (the others then wait
+    for them): refused here, on every rank, naming the tables."""
     bad = {}
     for config in module.embedding_bag_configs():
-        spec = params[config.name].sharding_spec if config.name in params else None
+        param = params.get(config.name)
+        if param is None or param.compute_kernel == EmbeddingComputeKernel.DENSE.value:
+            continue
+        spec = param.sharding_spec
         widths = {shard.shard_sizes[1] for shard in spec.shards} if spec is not None else {config.embedding_dim}
         if any(w % 4 for w in widths):
             bad[config.name] = sorted(widths)
     if bad:
         raise ValueError(
-            f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's kernels (and so "
-            f"every TorchRec lookup) need a multiple of 4; use dims, or column-wise shard widths, "
-            f"that are multiples of 4"
+            f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's batched kernels "
+            f"other than 'dense' need a multiple of 4; use dims, or column-wise shard widths, "
+            f"that are multiples of 4, or the 'dense' compute kernel"
         )
 
 
@@ -205,6 +210,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if problem is None and self._has_uninitialized_input_dist:
             problem = first_batch_problem(features, self._embedding_bag_configs)
         if len(pgas) < len(self._embedding_shardings):
+            if problem is None and features.variable_stride_per_key():
+                # TorchRec's input dist would run other collectives for it on this rank.
+                problem = "batch size varies per feature (VBE), which the PGAS sharding types do not support"
             if problem is None:
                 problem = ids_range_problem(features, self._torchrec_feature_rows())
             raise_on_every_rank(self._env.process_group, problem)
@@ -219,13 +227,15 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _torchrec_feature_rows(self) -> Dict[str, Tuple[str, int]]:
         """Per feature of a table in one of TorchRec's own sharding types: its table's
-        name and row count."""
-        return {
-            f: (c.name, c.num_embeddings)
-            for c in self._embedding_bag_configs
-            if self.module_sharding_plan[c.name].sharding_type not in PGAS_SHARDING_TYPES
-            for f in c.feature_names
-        }
+        name and row count (of the smallest such table, for a feature several read)."""
+        rows: Dict[str, Tuple[str, int]] = {}
+        for c in self._embedding_bag_configs:
+            if self.module_sharding_plan[c.name].sharding_type in PGAS_SHARDING_TYPES:
+                continue
+            for f in c.feature_names:
+                if f not in rows or c.num_embeddings < rows[f][1]:
+                    rows[f] = (c.name, c.num_embeddings)
+        return rows
 
     def _sharding_feature_names(self) -> List[str]:
         return [f for s in self._embedding_shardings for f in s.feature_names()]

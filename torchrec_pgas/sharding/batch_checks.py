@@ -65,7 +65,8 @@ def ids_range_problem(features: KeyedJaggedTensor, rows: Dict[str, Tuple[str, in
     negative one on its owner alone. One read-back; ``features`` passed
     ``module_batch_problem``."""
     keys, values = features.keys(), features.values()
-    if not values.numel() or not any(k in rows for k in keys):
+    # A variable batch per feature: its lengths were not checked (the exchanges refuse it).
+    if features.variable_stride_per_key() or not values.numel() or not any(k in rows for k in keys):
         return None
     lengths = features.length_per_key()
     bounds = torch.tensor([rows[k][1] if k in rows else -1 for k in keys], device=values.device)
