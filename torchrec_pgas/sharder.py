@@ -35,11 +35,11 @@ from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import (
     first_batch_problem,
-    ids_range_problem,
     input_problem,
     module_batch_problem,
     raise_on_every_rank,
     send_problem,
+    torchrec_batch_problem,
 )
 from torchrec_pgas.sharding.dists import send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
@@ -82,6 +82,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         object.__setattr__(self, "_pgas_options", pgas_options)
         super().__init__(*args, **kwargs)
         self._refuse_mean_across_row_wise_kinds()
+        # Per feature of TorchRec's own sharding types, the rows its ids must be in.
+        self._torchrec_rows = self._torchrec_feature_rows()
         # Whether batches go to every sharding (all PGAS ones) as they are (decided on
         # the first).
         self._pgas_direct: Optional[bool] = None
@@ -210,11 +212,8 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if problem is None and self._has_uninitialized_input_dist:
             problem = first_batch_problem(features, self._embedding_bag_configs)
         if len(pgas) < len(self._embedding_shardings):
-            if problem is None and features.variable_stride_per_key():
-                # TorchRec's input dist would run other collectives for it on this rank.
-                problem = "batch size varies per feature (VBE), which the PGAS sharding types do not support"
             if problem is None:
-                problem = ids_range_problem(features, self._torchrec_feature_rows())
+                problem = torchrec_batch_problem(features, self._torchrec_rows)
             raise_on_every_rank(self._env.process_group, problem)
         elif problem is not None:
             return self._refused_input_dist(ctx, features, problem)

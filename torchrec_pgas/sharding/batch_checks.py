@@ -57,16 +57,27 @@ def module_batch_problem(
     return None
 
 
+def torchrec_batch_problem(features: KeyedJaggedTensor, rows: Dict[str, Tuple[str, int]]) -> Optional[str]:
+    """What a module that also runs TorchRec's own sharding types refuses beyond
+    ``module_batch_problem`` (which ``features`` passed), before TorchRec's input dist:
+    a variable batch per feature (TorchRec's input dist would run other collectives
+    for it on that rank alone), then ids out of range of its tables
+    (``ids_range_problem``)."""
+    if features.variable_stride_per_key():
+        return "batch size varies per feature (VBE), which the PGAS sharding types do not support"
+    return ids_range_problem(features, rows)
+
+
 def ids_range_problem(features: KeyedJaggedTensor, rows: Dict[str, Tuple[str, int]]) -> Optional[str]:
     """The first id of a feature in ``rows`` (feature: its table and the table's row
     count) that is not a row of its table, said as "ids ...", or None. For the
     features of TorchRec's own sharding types beside PGAS ones (whose exchanges check
     their own): FBGEMM would serve an id past the table as row 0 and raise for a
     negative one on its owner alone. One read-back; ``features`` passed
-    ``module_batch_problem``."""
+    ``module_batch_problem`` and have one batch size for every feature (their lengths
+    were checked)."""
     keys, values = features.keys(), features.values()
-    # A variable batch per feature: its lengths were not checked (the exchanges refuse it).
-    if features.variable_stride_per_key() or not values.numel() or not any(k in rows for k in keys):
+    if not values.numel() or not any(k in rows for k in keys):
         return None
     lengths = features.length_per_key()
     bounds = torch.tensor([rows[k][1] if k in rows else -1 for k in keys], device=values.device)
