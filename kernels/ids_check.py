@@ -5,6 +5,12 @@ its tables. The verdict stays on the device: ``ids_header`` turns it into the sl
 headers and resets it for the next batch. Slots hold int32 lengths: the kernel
 narrows a KJT's wider lengths as it reads them, which spares the step a copy of its own.
 
+A step served with no exchange (``quant/local.py``) hands FBGEMM's lookup, whose
+bounds check is off, copies the kernel writes as it reads (``SANITIZE``): the ids with
+each bad one as 0, and the offsets clamped to ``[0, n_ids]``, so the lookup reads in
+bounds whatever the batch (its output is discarded if the batch is bad); narrowed to
+int32 where they fit, as TorchRec's forward hands them.
+
 Buffers:
     values:    int64 [n_ids]         the KJT's ids, feature-major
     offsets:   int  [F * batch + 1]  the KJT's offsets; feature f's ids start at
@@ -15,9 +21,12 @@ Buffers:
     verdict:   int64 [2]             in/out: smallest position of an out-of-range id,
                                      smallest position of a negative length (``NONE``
                                      where there is none)
+    ids_out:      int32 or int64 [n_ids]         out (with ``SANITIZE``): the ids, bad ones 0
+    offsets_out:  ids_out's dtype [F * batch + 1] out (with ``SANITIZE``): the offsets,
+                                                 clamped to ``[0, n_ids]``
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -39,12 +48,15 @@ def ids_check_kernel(
     narrowed_ptr,
     num_rows_ptr,
     verdict_ptr,
+    ids_out_ptr,
+    offsets_out_ptr,
     n_ids: tl.int64,
     n_lengths: tl.int64,
     batch: tl.int64,
     num_features: tl.int64,
     NONE: tl.constexpr,
     NARROW: tl.constexpr,
+    SANITIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -68,6 +80,12 @@ def ids_check_kernel(
     first_negative = tl.min(tl.where(negative, k, NONE))
     if first_negative < NONE:
         tl.atomic_min(verdict_ptr + 1, first_negative)
+    if SANITIZE:
+        tl.store(ids_out_ptr + k, tl.where(bad, 0, ids).to(ids_out_ptr.dtype.element_ty), mask=in_ids)
+        in_offsets = k <= n_lengths
+        offsets = tl.load(offsets_ptr + k, mask=in_offsets, other=0).to(tl.int64)
+        offsets = tl.minimum(tl.maximum(offsets, 0), n_ids)
+        tl.store(offsets_out_ptr + k, offsets.to(offsets_out_ptr.dtype.element_ty), mask=in_offsets)
 
 
 _launcher = Launcher(ids_check_kernel)
@@ -81,10 +99,13 @@ def ids_check(
     verdict: torch.Tensor,
     batch: int,
     narrowed: Optional[torch.Tensor] = None,
+    sanitized: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
-    """Folds this batch's problems into ``verdict``, and writes the lengths as int32 to
-    ``narrowed`` if given (see the module docstring)."""
-    n = max(values.numel(), lengths.numel())
+    """Folds this batch's problems into ``verdict``; writes the lengths as int32 to
+    ``narrowed`` and the ids and offsets to ``sanitized`` (``ids_out``,
+    ``offsets_out``), if given (see the module docstring)."""
+    n = max(values.numel(), lengths.numel() + (1 if sanitized is not None else 0))
+    ids_out, offsets_out = sanitized if sanitized is not None else (values, offsets)
     if n:
         _launcher[(cdiv(n, BLOCK),)](
             values,
@@ -93,12 +114,15 @@ def ids_check(
             lengths if narrowed is None else narrowed,
             num_rows,
             verdict,
+            ids_out,
+            offsets_out,
             values.numel(),
             lengths.numel(),
             batch,
             num_rows.numel(),
             NONE=NONE,
             NARROW=narrowed is not None,
+            SANITIZE=sanitized is not None,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )

@@ -133,33 +133,24 @@ def ids_header_kernel(
     tl.store(verdict_ptr, NONE)
     tl.store(verdict_ptr + 1, NONE)
     tl.store(step_ptr, step)
-    feature = num_check_features * 0
-    for f in range(num_check_features):
-        feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
-    has_bad = bad_pos < NONE
-    bad_id = tl.load(check_values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
-
-    # Later checks win: a batch that fails several reports the most basic problem.
-    status = tl.where(has_bad, _OUT_OF_RANGE, _OK)
-    d0 = tl.where(has_bad, feature, 0).to(tl.int64)
-    d1 = tl.where(has_bad, bad_id, 0)
-    d2 = tl.where(has_bad, tl.load(num_rows_ptr + feature), 0)
-    over = (most_ids > ids_capacity) | (batch > batch_capacity)
-    status = tl.where(over, _OVER_CAPACITY, status)
-    d0 = tl.where(over, batch, d0)
-    d1 = tl.where(over, most_ids, d1)
-    d2 = tl.where(over, 0, d2)
-    bad_lengths = (negative_pos < NONE) | (total != n_ids)
-    status = tl.where(bad_lengths, _BAD_LENGTHS, status)
-    d0 = tl.where(bad_lengths, tl.where(negative_pos < NONE, negative_pos // tl.maximum(batch, 1), -1), d0)
-    d1 = tl.where(bad_lengths, 0, d1)
-    d2 = tl.where(bad_lengths, 0, d2)
-    # A problem the host found (wrong dtypes, unknown features) overrides all.
-    on_host = host_status >= 0
-    status = tl.where(on_host, host_status, status)
-    d0 = tl.where(on_host, host_d0, d0)
-    d1 = tl.where(on_host, host_d1, d1)
-    d2 = tl.where(on_host, host_d2, d2)
+    status, d0, d1, d2 = batch_status(
+        bad_pos,
+        negative_pos,
+        check_values_ptr,
+        check_offsets_ptr,
+        num_rows_ptr,
+        num_check_features,
+        batch,
+        n_ids,
+        total,
+        (most_ids > ids_capacity) | (batch > batch_capacity),
+        most_ids,
+        host_status,
+        host_d0,
+        host_d1,
+        host_d2,
+        NONE,
+    )
     ok = status == _OK
 
     h = headers_ptr + w * WORDS
@@ -194,6 +185,57 @@ def ids_header_kernel(
     tl.store(c + 0, zero + slot_offset, mask=wm)
     tl.store(c + 1, headers_addr + w.to(tl.int64) * WORDS * 8, mask=wm)
     tl.store(c + 2, zero + WORDS * 8, mask=wm)
+
+
+@triton.jit
+def batch_status(
+    bad_pos,
+    negative_pos,
+    check_values_ptr,
+    check_offsets_ptr,
+    num_rows_ptr,
+    num_check_features,
+    batch,
+    n_ids,
+    total,
+    over,
+    most_ids,
+    host_status,
+    host_d0,
+    host_d1,
+    host_d2,
+    NONE: tl.constexpr,
+):
+    """A batch's status and detail words (``ids_slot.Status``) from ``ids_check``'s
+    verdict (``bad_pos``, ``negative_pos``), its lengths' sum ``total`` against its
+    ``n_ids`` ids, whether it is ``over`` capacity (``most_ids`` ids for one owner),
+    and a problem the host found (``host_status`` >= 0), which overrides all."""
+    feature = num_check_features * 0
+    for f in range(num_check_features):
+        feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
+    has_bad = bad_pos < NONE
+    bad_id = tl.load(check_values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
+
+    # Later checks win: a batch that fails several reports the most basic problem.
+    status = tl.where(has_bad, _OUT_OF_RANGE, _OK)
+    d0 = tl.where(has_bad, feature, 0).to(tl.int64)
+    d1 = tl.where(has_bad, bad_id, 0).to(tl.int64)
+    d2 = tl.where(has_bad, tl.load(num_rows_ptr + feature), 0)
+    status = tl.where(over, _OVER_CAPACITY, status)
+    d0 = tl.where(over, batch, d0)
+    d1 = tl.where(over, most_ids, d1)
+    d2 = tl.where(over, 0, d2)
+    bad_lengths = (negative_pos < NONE) | (total != n_ids)
+    status = tl.where(bad_lengths, _BAD_LENGTHS, status)
+    d0 = tl.where(bad_lengths, tl.where(negative_pos < NONE, negative_pos // tl.maximum(batch, 1), -1), d0)
+    d1 = tl.where(bad_lengths, 0, d1)
+    d2 = tl.where(bad_lengths, 0, d2)
+    on_host = host_status >= 0
+    status = tl.where(on_host, host_status, status)
+    d0 = tl.where(on_host, host_d0, d0)
+    d1 = tl.where(on_host, host_d1, d1)
+    d2 = tl.where(on_host, host_d2, d2)
+    return status, d0, d1, d2
 
 
 @triton.jit

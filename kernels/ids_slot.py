@@ -16,7 +16,7 @@ import functools
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -154,9 +154,10 @@ class IdsSlotLayout:
         return bytes(data.cpu().tolist()).decode("utf-8", errors="replace")
 
 
-def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLayout, text: str = "") -> str:
+def describe(source: int, header: Header, features: Sequence, layout: Optional[IdsSlotLayout], text: str = "") -> str:
     """The message for a header whose status is not ``OK`` (``features`` are the
-    sharding's ``TwFeature`` in order; ``text`` is a ``Status.FAILED`` slot's message)."""
+    sharding's ``TwFeature`` in order; ``text`` is a ``Status.FAILED`` slot's message;
+    ``layout``, the slots' capacities, is read for ``Status.OVER_CAPACITY``)."""
     d = header.detail
     if header.status == Status.FAILED:
         return f"rank {source} could not send its batch: {text or '(see that rank)'}"
@@ -167,6 +168,7 @@ def describe(source: int, header: Header, features: Sequence, layout: IdsSlotLay
             f"which has {d[2]} rows (ids must be in [0, {d[2]}))"
         )
     if header.status == Status.OVER_CAPACITY:
+        assert layout is not None, "an over-capacity batch is reported by a sharding with slots"
         return (
             f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
             f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 pytest.importorskip("nvshmem.core")
 
-from dist_utils import make_tables, random_kjt, run_ranks, shared_gpu_options  # noqa: E402
+from dist_utils import in_order, make_tables, random_kjt, run_ranks, shared_gpu_options  # noqa: E402
 from test_gpu_graphs import fixed_size_kjt  # noqa: E402
 from test_quant import DTYPES, RW_ATOL, RW_RTOL, _Model  # noqa: E402
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType  # noqa: E402
@@ -245,3 +245,65 @@ def _graphed(rank, world_size, owners, dtype):
 )
 def test_gpu_quant_captured_step_matches_eager(world_size, owners, dtype):
     run_ranks(_graphed, world_size, owners=owners, dtype=dtype, deadline_s=DEADLINE_S)
+
+
+# ---------------------------------------------------------- (d) a world of one
+
+
+def _one_gpu(rank, world_size):
+    """On a world of one GPU, table-wise tables in one FBGEMM module are served with
+    no exchange (``torchrec_pgas.quant.local``): every dtype, sum and mean pooling,
+    weighted, empty bags and an empty batch equal the unsharded module bit for bit
+    (int32 ids and offsets, as TorchRec hands FBGEMM); each kind of bad batch has a
+    NaN output and raises ``PgasInputError`` naming it, and the next batch is right;
+    a first batch in another feature order is served by the exchange instead."""
+    for dtype in sorted(DTYPES):
+        for pooling, weighted, seed in [
+            (PoolingType.SUM, False, 0),
+            (PoolingType.MEAN, False, 1),
+            (PoolingType.SUM, True, 2),
+        ]:
+            tables = _tables((0, 0, 0, 0), 30 + seed, pooling)
+            ref, model = _served(tables, dtype, weighted, seed, _owners(tables, (0, 0, 0, 0), 1), 1)
+            for step, batch in enumerate([24, 7, 0, 13]):
+                kjt = random_kjt(tables, batch, 900 + 10 * seed + step, weighted).to(GPU)
+                out, want = model(kjt).values(), ref(kjt).values()
+                assert model.ebc._use_local, "a world of one serves without an exchange"
+                assert out.shape == want.shape and torch.equal(out, want), (dtype, pooling, weighted, step)
+            raise_errors(model, wait=True)
+    tables = _tables((0, 0, 0), 40)
+    ref, model = _served(tables, "int8", True, 3, _owners(tables, (0, 0, 0), 1), 1)
+    model(random_kjt(tables, 10, 950, True).to(GPU))
+    last = tables[-1]
+    good = random_kjt(tables, 9, 951, True)
+    lengths, values = good.lengths().clone(), good.values().clone()
+    negative = lengths.clone()
+    negative[9 + 4] = -1  # in the second feature
+    values_past = values.clone()
+    values_past[-1] = last.num_embeddings
+    bad = {
+        rf"sent id {last.num_embeddings} for feature 'f2' of table '{last.name}', which has": (values_past, lengths),
+        r"whose lengths and values disagree \(negative length in feature 'f1'\)": (values, negative),
+        r"whose lengths and values disagree$": (values[:-1], lengths),
+    }
+    for i, (match, (v, ln)) in enumerate(bad.items()):
+        kjt = KeyedJaggedTensor(keys=good.keys(), values=v, lengths=ln, weights=torch.rand(v.numel())).to(GPU)
+        with pytest.raises(PgasInputError, match=match):
+            out = model(kjt).values()
+            raise_errors(model, wait=True)
+        assert out.shape[0] == 9 and torch.isnan(out).all(), match
+        nxt = random_kjt(tables, 5 + i, 960 + i, True).to(GPU)
+        assert torch.equal(model(nxt).values(), ref(nxt).values()), match
+    raise_errors(model, wait=True)
+    # A first batch in another order than the lookup's goes through the exchange.
+    ref, model = _served(tables, "int8", False, 4, _owners(tables, (0, 0, 0), 1), 1)
+    for step in range(3):
+        kjt = random_kjt(tables, 6 + step, 970 + step)
+        kjt = in_order(kjt, list(reversed(kjt.keys()))).to(GPU)
+        assert torch.equal(model(kjt).values(), ref(kjt).values())
+    assert model.ebc._use_local is False
+    raise_errors(model, wait=True)
+
+
+def test_gpu_quant_world_of_one_serves_without_an_exchange():
+    run_ranks(_one_gpu, 1, deadline_s=DEADLINE_S)

@@ -32,6 +32,7 @@ from torchrec_pgas.kernels.gather_ids import gather_ids_kernel  # noqa: E402
 from torchrec_pgas.kernels.grads_put import grads_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_check import ids_check_kernel  # noqa: E402
 from torchrec_pgas.kernels.ids_header import ids_header_kernel  # noqa: E402
+from torchrec_pgas.kernels.local_finish import local_finish_kernel  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
@@ -190,15 +191,45 @@ CASES = {
             "narrowed_ptr": "*i32",
             "num_rows_ptr": "*i64",
             "verdict_ptr": "*i64",
+            "ids_out_ptr": "*i32",
+            "offsets_out_ptr": "*i32",
             "n_ids": "i64",
             "n_lengths": "i32",
             "batch": "i32",
             "num_features": "i32",
             "NONE": "constexpr",
             "NARROW": "constexpr",
+            "SANITIZE": "constexpr",
             "BLOCK": "constexpr",
         },
-        [{"NONE": 2**62, "NARROW": n, "BLOCK": 1024} for n in (True, False)],
+        [{"NONE": 2**62, "NARROW": n, "SANITIZE": s, "BLOCK": 1024} for n in (True, False) for s in (True, False)],
+    ),
+    "local_finish": (
+        local_finish_kernel,
+        {
+            "out_ptr": "*fp16",
+            "verdict_ptr": "*i64",
+            "values_ptr": "*i32",
+            "offsets_ptr": "*i64",
+            "num_rows_ptr": "*i64",
+            "clock_ptr": "*i64",
+            "done_ptr": "*i64",
+            "ring_addr": "i64",
+            "n_out": "i64",
+            "n_ids": "i64",
+            "batch": "i64",
+            "num_features": "i64",
+            "host_status": "i64",
+            "host_d0": "i64",
+            "host_d1": "i64",
+            "host_d2": "i64",
+            "has_weights": "constexpr",
+            "NONE": "constexpr",
+            "RING": "constexpr",
+            "WORDS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        [{"has_weights": w, "NONE": 2**62, "RING": 64, "WORDS": 8, "BLOCK": 1024} for w in (0, 1)],
     ),
     "ids_header": (
         ids_header_kernel,

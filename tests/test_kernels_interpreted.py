@@ -63,6 +63,7 @@ def k():
         grads_put,
         ids_check,
         ids_header,
+        local_finish,
         lookup_put,
         output_take,
         row_buckets,
@@ -82,6 +83,7 @@ def k():
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
     Kernels.run_update, Kernels.step_verdict, Kernels.sort_order = run_update, step_verdict, sort_order
+    Kernels.local_finish = local_finish
     return Kernels
 
 
@@ -244,6 +246,80 @@ def test_source_slots_match_the_oracle(k, seed, problem):
             assert torch.equal(
                 layout.weights(slot, n), torch.cat([weights[b] for b in bags]) if bags else empty.float()
             )
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("problem", ["none", "too_large", "negative_id", "negative", "mismatch", "dtype"])
+def test_local_step_keeps_the_lookup_in_bounds_and_reports_as_a_slot_header(k, seed, problem):
+    """A world of one's step (``ids_check`` writing what the lookup reads, then
+    ``local_finish``) against the oracle of the sources' slot headers: the lookup gets
+    the ids (each bad one as 0) and the offsets clamped to the ids, int32 when narrowed;
+    the output is NaN for a bad batch and untouched otherwise; the step's header goes
+    to its ring entry, the verdict is left clean and the clock ticks, two steps in a
+    row."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    F = rnd.randint(1, 6)
+    rows = torch.randint(3, 50, (F,), generator=g)
+    verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
+    done, ring = torch.zeros(1, dtype=torch.int64), torch.zeros(4, HEADER_WORDS + 1, dtype=torch.int64)
+    last = rnd.randint(0, 9)
+    clock = torch.tensor([last], dtype=torch.int64)
+    for i in range(2):
+        B = rnd.randint(1, 9) if seed or i or problem == "negative" else 0  # an empty batch
+        lengths, values = _source_batch(g, F, B, rows)
+        if problem == "too_large" and values.numel():
+            values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
+        if problem == "negative_id" and values.numel():
+            values[rnd.randrange(values.numel())] = -1
+        if problem == "negative":
+            lengths[rnd.randrange(lengths.numel())] = -1
+        offsets = _offsets(lengths)
+        if problem == "mismatch":
+            values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
+        if seed % 2:
+            values = values.to(torch.int32)
+        weighted = bool(seed % 2)
+        layout = IdsSlotLayout.for_batch(F, B, values.numel(), 2.0)  # never over capacity
+        expected = _expected(problem, lengths, values.long(), rows, [list(range(F))], B, layout, weighted)[0]
+        is_bad = expected[0] != Status.OK
+        out = torch.randn(B, 8, generator=g)
+        before = out.clone()
+        if problem == "dtype":
+            k.local_finish.local_finish(
+                out,
+                verdict,
+                verdict,
+                verdict,
+                rows,
+                clock,
+                done,
+                ring,
+                B,
+                weighted,
+                host_problem=(Status.BAD_DTYPE, (0,)),
+            )
+        else:
+            dtype = rnd.choice([torch.int32, torch.int64])
+            ids, safe = torch.full((values.numel(),), -5, dtype=dtype), torch.full((offsets.numel(),), -5, dtype=dtype)
+            k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B, sanitized=(ids, safe))
+            # An id is checked against the last feature starting at or before it.
+            starts = offsets[torch.arange(F) * B]
+            feature_of = (torch.arange(values.numel())[:, None] >= starts[None, :]).long().cumsum(1).argmax(1)
+            in_range = (values.long() >= 0) & (values.long() < rows[feature_of])
+            assert ids.tolist() == torch.where(in_range, values.long(), 0).tolist(), "bad ids read as row 0"
+            assert safe.tolist() == offsets.clamp(0, values.numel()).tolist(), "offsets clamped to the ids"
+            assert (ids >= 0).all() and (ids < int(rows.max())).all()
+            k.local_finish.local_finish(out, verdict, values, offsets, rows, clock, done, ring, B, weighted)
+        step = last + 1 + i
+        assert ring[step % 4].tolist() == expected + [step], "the step's header goes to its ring entry"
+        if is_bad:
+            assert out.isnan().all(), "a bad step's output is NaN, never a result"
+        else:
+            assert torch.equal(out, before)
+        assert verdict.tolist() == [k.ids_check.NONE] * 2, "the verdict is left clean for the next batch"
+        assert int(clock) == step and int(done) == 0
 
 
 def test_feature_runs_cut_each_owner_at_every_gap():

@@ -26,6 +26,10 @@ same kernel over the same rows in the same order, so table-wise output equals th
 unsharded module's on the same GPU bit for bit. As on the float path, a bad batch is
 found on the device and raised on every rank at the start of a later forward (or by
 ``torchrec_pgas.graphs.raise_errors(model, wait=True)``), its step's output NaN.
+
+On a world of one GPU there is nobody to exchange with: tables that are all
+table-wise, in one FBGEMM module, are served by that module's lookup alone
+(``local.py``, under the same contract), as TorchRec serves a world of one.
 """
 
 import copy
@@ -46,6 +50,7 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
+from torchrec_pgas.quant.local import LocalServing
 from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_problem, module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
@@ -442,8 +447,20 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             PgasPooledEmbeddingDist(exchange, PGAS_ROW_WISE if name == "local_row_wise" else PGAS_TABLE_WISE)
             for exchange, _, name in self._parts
         ]
+        self._keys = list(module._embedding_names)
+        self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
+        self._columns = columns.to(device) if columns is not None else None
+        # GPUs: each pooling module's FBGEMM lookups (``_pool``), by the module's id.
+        self._lookups: Dict[int, List[_NBitLookup]] = {}
+        # A world of one GPU serves batches in the lookup's feature order with no
+        # exchange (``local.py``); whether they come so is seen at the first batch.
+        self._local_serving = self._make_local_serving(world_size)
+        self._use_local: Optional[bool] = None if self._local_serving is not None else False
         # Where ``torchrec_pgas.graphs`` finds the exchanges (CUDA graphs, deferred errors).
         self._embedding_shardings = [_ServedExchange(exchange) for exchange, _, _ in self._parts]
+        if self._local_serving is not None:
+            self._embedding_shardings.append(_ServedExchange(self._local_serving))  # type: ignore[arg-type]
+        self._served: List[Any] = [s.exchange for s in self._embedding_shardings]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
         self._feature_rows = feature_rows(configs)
         self._configs = list(configs)
@@ -451,11 +468,6 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
         # GPUs: whether batches go to every exchange whole (decided on the first).
         self._direct: Optional[bool] = None if device.type == "cuda" else False
-        self._keys = list(module._embedding_names)
-        self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
-        self._columns = columns.to(device) if columns is not None else None
-        # GPUs: each pooling module's FBGEMM lookups (``_pool``), by the module's id.
-        self._lookups: Dict[int, List[_NBitLookup]] = {}
 
     def _make_exchange(
         self, host_type: Type[TwExchange], transport: object, group_sizes: List[int], **args: object
@@ -480,6 +492,46 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             group_tensors=True,  # ``_pool`` calls FBGEMM itself, right after the receive
             **args,
         )
+
+    def _make_local_serving(self, world_size: int) -> Optional[LocalServing]:
+        """``LocalServing`` of this rank's tables if the module is on a world of one GPU
+        and they are all table-wise, in one FBGEMM module (one pooling), each feature
+        read by one table; else None (the exchanges serve it)."""
+        local = self.local
+        if world_size != 1 or self._device.type != "cuda" or local is None or self.local_row_wise is not None:
+            return None
+        configs = local.embedding_bag_configs()
+        features = [TwFeature(f, t.name, t.num_embeddings) for t in configs for f in t.feature_names]
+        if len(local._emb_modules) != 1 or len({f.name for f in features}) != len(features):
+            return None
+        assert self._columns is None, "one rank's tables in one FBGEMM module are output in the module's order"
+        return LocalServing(
+            _NBitLookup(local._emb_modules[0]),
+            features,
+            sum(self._length_per_key),
+            self._out_dtype,
+            self._is_weighted,
+            self._device,
+            PGAS_TABLE_WISE,
+        )
+
+    def _serve_locally(self, features: KeyedJaggedTensor) -> bool:
+        """Whether ``LocalServing`` serves this batch: decided at the first batch that
+        has the module's features, by their order (the exchanges take any order). A
+        batch without them is served (and reported) by it until then."""
+        if self._use_local is not None:
+            return self._use_local
+        local = self._local_serving
+        if local is None or not isinstance(features, KeyedJaggedTensor):
+            return False
+        keys = list(features.keys())
+        if sorted(keys) != sorted(local.keys):
+            return True
+        self._use_local = keys == local.keys
+        # What is not used has nothing to report: a step asks only the other.
+        kept = [s for s in self._embedding_shardings if (s.exchange is local) == self._use_local]
+        self._embedding_shardings, self._served = kept, [s.exchange for s in kept]
+        return self._use_local
 
     @property
     def _exchanges(self) -> List[TwExchange]:
@@ -571,10 +623,13 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         # What earlier steps reported on GPUs, before any of this step's sends: never
         # in the middle of a step (nothing on the host exchanges, which raise in the
         # step that had it).
-        raise_errors(self._exchanges)
+        raise_errors(self._served)
         if isinstance(features, KeyedJaggedTensor) and features.device() != self._device:
             # The unsharded module takes a batch on any device (FBGEMM moves it).
             features = features.to(self._device, non_blocking=True)
+        if self._serve_locally(features):
+            out = self._local_serving(features)  # type: ignore[misc]
+            return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
         steps = self._send(features)
         # Every exchange takes its step, even after another's raised, so that all
         # stay in step for the next batch.
