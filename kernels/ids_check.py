@@ -7,9 +7,11 @@ narrows a KJT's wider lengths as it reads them, which spares the step a copy of 
 
 A step served with no exchange (``quant/local.py``) hands FBGEMM's lookup, whose
 bounds check is off, copies the kernel writes as it reads (``SANITIZE``): the ids with
-each bad one as 0, and the offsets clamped to ``[0, n_ids]``, so the lookup reads in
-bounds whatever the batch (its output is discarded if the batch is bad); narrowed to
-int32 where they fit, as TorchRec's forward hands them.
+each bad one as 0, and the offsets kept between their feature's start and the next
+feature's (starts in order, within the ids), so that every bag reads only ids checked
+against its own table, whatever the batch (a bad batch's output is then discarded);
+the same as given for a valid batch, narrowed to int32 where they fit, as TorchRec's
+forward hands them.
 
 Buffers:
     values:    int64 [n_ids]         the KJT's ids, feature-major
@@ -23,7 +25,7 @@ Buffers:
                                      where there is none)
     ids_out:      int32 or int64 [n_ids]         out (with ``SANITIZE``): the ids, bad ones 0
     offsets_out:  ids_out's dtype [F * batch + 1] out (with ``SANITIZE``): the offsets,
-                                                 clamped to ``[0, n_ids]``
+                                                 each feature's within its ids
 """
 
 from typing import Optional, Tuple
@@ -63,11 +65,24 @@ def ids_check_kernel(
     in_ids = k < n_ids
     ids = tl.load(values_ptr + k, mask=in_ids, other=0)
     # An id belongs to the last feature that starts at or before it (features with
-    # no ids start where the next one does).
+    # no ids start where the next one does). A feature starts at the largest of its
+    # and the earlier features' first offsets, clamped to the ids: its first offset
+    # for valid lengths, and in order whatever the lengths, so that the ids a
+    # feature's bags can read once sanitized are those checked against its table.
     limit = tl.zeros([BLOCK], dtype=tl.int64)
+    start = n_ids * 0
+    if SANITIZE:
+        # Offset k bounds the bags of feature k // batch: between its start and the next's.
+        feature_of_offset = k // tl.maximum(batch, 1)
+        lo = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
+        hi = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
     for f in range(num_features):
-        start = tl.load(offsets_ptr + f * batch).to(tl.int64)
+        first = tl.load(offsets_ptr + f * batch).to(tl.int64)
+        start = tl.maximum(start, tl.minimum(tl.maximum(first, 0), n_ids))
         limit = tl.where(k >= start, tl.load(num_rows_ptr + f), limit)
+        if SANITIZE:
+            lo = tl.where(feature_of_offset == f, start, lo)
+            hi = tl.where(feature_of_offset == f - 1, start, hi)
     bad = in_ids & ((ids < 0) | (ids >= limit))
     first_bad = tl.min(tl.where(bad, k, NONE))
     if first_bad < NONE:
@@ -84,7 +99,11 @@ def ids_check_kernel(
         tl.store(ids_out_ptr + k, tl.where(bad, 0, ids).to(ids_out_ptr.dtype.element_ty), mask=in_ids)
         in_offsets = k <= n_lengths
         offsets = tl.load(offsets_ptr + k, mask=in_offsets, other=0).to(tl.int64)
-        offsets = tl.minimum(tl.maximum(offsets, 0), n_ids)
+        # A feature's first offset is its start (the last offset, the ids' end); the
+        # others stay between its start and the next feature's.
+        first_of_feature = (k % tl.maximum(batch, 1)) == 0
+        offsets = tl.where(first_of_feature, lo, tl.minimum(tl.maximum(offsets, lo), hi))
+        offsets = tl.where(batch == 0, 0, offsets)
         tl.store(offsets_out_ptr + k, offsets.to(offsets_out_ptr.dtype.element_ty), mask=in_offsets)
 
 

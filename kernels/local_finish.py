@@ -51,6 +51,7 @@ _OK = tl.constexpr(Status.OK.value)
         "host_d0",
         "host_d1",
         "host_d2",
+        "has_weights",
     ]
 )
 def local_finish_kernel(
@@ -70,43 +71,42 @@ def local_finish_kernel(
     host_d0: tl.int64,
     host_d1: tl.int64,
     host_d2: tl.int64,
-    has_weights: tl.constexpr,
+    has_weights: tl.int64,
     NONE: tl.constexpr,
     RING: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     bad_pos = tl.load(verdict_ptr)
     negative_pos = tl.load(verdict_ptr + 1)
     total = tl.load(offsets_ptr + num_features * batch).to(tl.int64)
-    bad = (host_status >= 0) | (bad_pos < NONE) | (negative_pos < NONE) | (total != n_ids)
-    if bad:
+    # Every program decides as the header says (the verdict is not written meanwhile).
+    status, d0, d1, d2 = batch_status(
+        bad_pos,
+        negative_pos,
+        values_ptr,
+        offsets_ptr,
+        num_rows_ptr,
+        num_features,
+        batch,
+        n_ids,
+        total,
+        False,
+        0,
+        host_status,
+        host_d0,
+        host_d1,
+        host_d2,
+        NONE,
+    )
+    if status != _OK:
         nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
-        for start in range(pid * BLOCK, n_out, tl.num_programs(0) * BLOCK):
+        for start in range(tl.program_id(0) * BLOCK, n_out, tl.num_programs(0) * BLOCK):
             k = start + tl.arange(0, BLOCK)
             tl.store(out_ptr + k, nan, mask=k < n_out)
     # Every thread has read the verdict before the last program resets it.
     tl.debug_barrier()
     if last_to_finish(done_ptr, tl.num_programs(0)):
-        status, d0, d1, d2 = batch_status(
-            bad_pos,
-            negative_pos,
-            values_ptr,
-            offsets_ptr,
-            num_rows_ptr,
-            num_features,
-            batch,
-            n_ids,
-            total,
-            False,
-            0,
-            host_status,
-            host_d0,
-            host_d1,
-            host_d2,
-            NONE,
-        )
         tl.store(verdict_ptr, NONE)
         tl.store(verdict_ptr + 1, NONE)
         step = tl.load(clock_ptr) + 1
@@ -168,7 +168,7 @@ def local_finish(
         d0,
         d1,
         d2,
-        has_weights=int(has_weights),
+        int(has_weights),
         NONE=NONE,
         RING=ring.size(0),
         WORDS=HEADER_WORDS,

@@ -304,13 +304,19 @@ def test_local_step_keeps_the_lookup_in_bounds_and_reports_as_a_slot_header(k, s
             dtype = rnd.choice([torch.int32, torch.int64])
             ids, safe = torch.full((values.numel(),), -5, dtype=dtype), torch.full((offsets.numel(),), -5, dtype=dtype)
             k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B, sanitized=(ids, safe))
-            # An id is checked against the last feature starting at or before it.
-            starts = offsets[torch.arange(F) * B]
-            feature_of = (torch.arange(values.numel())[:, None] >= starts[None, :]).long().cumsum(1).argmax(1)
-            in_range = (values.long() >= 0) & (values.long() < rows[feature_of])
-            assert ids.tolist() == torch.where(in_range, values.long(), 0).tolist(), "bad ids read as row 0"
-            assert safe.tolist() == offsets.clamp(0, values.numel()).tolist(), "offsets clamped to the ids"
-            assert (ids >= 0).all() and (ids < int(rows.max())).all()
+            n = values.numel()
+            if not is_bad:
+                assert ids.tolist() == values.tolist() and safe.tolist() == offsets.tolist(), "a valid batch as given"
+            # Whatever the batch, every bag reads only ids within the batch and below its
+            # own table's rows (the offsets it reads may be wrong, never out of bounds).
+            safe64 = safe.long()
+            assert (safe64 >= 0).all() and (safe64 <= n).all()
+            for bag in range(F * B):
+                lo, hi = int(safe64[bag]), int(safe64[bag + 1])
+                assert (ids[lo:hi].long() < int(rows[bag // B])).all() and (ids[lo:hi] >= 0).all(), bag
+            if B:
+                starts = safe64[torch.arange(F + 1) * B]
+                assert (starts[1:] >= starts[:-1]).all() and int(starts[-1]) == n, "features in order, to the end"
             k.local_finish.local_finish(out, verdict, values, offsets, rows, clock, done, ring, B, weighted)
         step = last + 1 + i
         assert ring[step % 4].tolist() == expected + [step], "the step's header goes to its ring entry"
@@ -320,6 +326,24 @@ def test_local_step_keeps_the_lookup_in_bounds_and_reports_as_a_slot_header(k, s
             assert torch.equal(out, before)
         assert verdict.tolist() == [k.ids_check.NONE] * 2, "the verdict is left clean for the next batch"
         assert int(clock) == step and int(done) == 0
+
+
+@_interpreted
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_negative_length_cannot_make_a_bag_read_another_tables_ids(k, dtype):
+    """Lengths [2, -1, 2] give offsets [0, 2, 1, 3]: bag 0 (a table of 10 rows) would
+    cover id 50, which the third feature's 100 rows allow. The ids and offsets the
+    lookup reads keep every bag within ids checked against its own table."""
+    rows = torch.tensor([10, 100, 100])
+    lengths = torch.tensor([2, -1, 2], dtype=torch.int32)
+    offsets, values = _offsets(lengths), torch.tensor([1, 50, 7])
+    verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
+    ids, safe = torch.empty(3, dtype=dtype), torch.empty(4, dtype=dtype)
+    k.ids_check.ids_check(values, offsets, lengths, rows, verdict, 1, sanitized=(ids, safe))
+    assert int(verdict[1]) == 1, "the negative length is found"
+    for bag in range(3):
+        read = ids[int(safe[bag]) : int(safe[bag + 1])]
+        assert (read < int(rows[bag])).all(), (bag, read.tolist(), safe.tolist())
 
 
 def test_feature_runs_cut_each_owner_at_every_gap():

@@ -5,9 +5,11 @@ with, so its step is the unsharded module's lookup, as TorchRec's own sharding o
 world of one is. ``LocalServing`` serves it so, keeping the GPU exchanges' contract
 (``tw_device_exchange``): a step never waits for the device and can be captured in a
 CUDA graph; a bad batch (an id out of range, a negative length, lengths that do not
-add up, unknown features, missing weights) gets a NaN output, is never looked up, and
-raises ``PgasInputError`` at the start of a later forward or at
-``torchrec_pgas.graphs.raise_errors(model, wait=True)``.
+add up, unknown features, missing weights) gets a NaN output and raises
+``PgasInputError`` at the start of a later forward or at
+``torchrec_pgas.graphs.raise_errors(model, wait=True)``. A batch the host finds bad is
+not looked up; one the device finds bad is looked up within bounds (every bag reads
+only ids checked against its own table, ``ids_check``) and its output discarded.
 
 A step is three launches, as many as TorchRec's: ``ids_check`` (the exchanges'
 validation, which also writes the ids and offsets FBGEMM reads: int32 as TorchRec's
@@ -130,9 +132,14 @@ class LocalServing:
         """What the host sees wrong with ``kjt`` without reading its data, as
         ``(status, detail, batch size its header reports, rows of its NaN output)``
         (the exchanges' ``batch_problem``), else None."""
+        if not isinstance(kjt, KeyedJaggedTensor):
+            # Nothing is enqueued yet, and there are no peers to keep in step.
+            raise PgasInputError(f"{self._name}: a batch is a KeyedJaggedTensor, not a {type(kjt).__name__}")
         problem = batch_problem(kjt, self._keys)
         if problem is None and self._weighted and kjt.weights_or_none() is None:
-            problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,), 0)
+            problem = (Status.BAD_DTYPE, (BadDtype.NO_WEIGHTS,), kjt.stride())
+        if problem is None and kjt.offsets().numel() != kjt.lengths().numel() + 1:
+            problem = (Status.BAD_LENGTHS, (-1,), 0)  # offsets given that the lengths do not match
         if problem is None:
             return None
         status, detail, batch = problem

@@ -496,7 +496,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
     def _make_local_serving(self, world_size: int) -> Optional[LocalServing]:
         """``LocalServing`` of this rank's tables if the module is on a world of one GPU
         and they are all table-wise, in one FBGEMM module (one pooling), each feature
-        read by one table; else None (the exchanges serve it)."""
+        read by one table, none without rows; else None (the exchanges serve it)."""
         local = self.local
         if world_size != 1 or self._device.type != "cuda" or local is None or self.local_row_wise is not None:
             return None
@@ -504,6 +504,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         features = [TwFeature(f, t.name, t.num_embeddings) for t in configs for f in t.feature_names]
         if len(local._emb_modules) != 1 or len({f.name for f in features}) != len(features):
             return None
+        if any(t.num_embeddings < 1 for t in configs):
+            return None  # a bad id is looked up as row 0, which such a table lacks
         assert self._columns is None, "one rank's tables in one FBGEMM module are output in the module's order"
         return LocalServing(
             _NBitLookup(local._emb_modules[0]),
@@ -528,8 +530,12 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         if sorted(keys) != sorted(local.keys):
             return True
         self._use_local = keys == local.keys
-        # What is not used has nothing to report: a step asks only the other.
-        kept = [s for s in self._embedding_shardings if (s.exchange is local) == self._use_local]
+        # A step asks only what serves (or has served: its errors may be pending).
+        kept = [
+            s
+            for s in self._embedding_shardings
+            if (s.exchange is local) == self._use_local or any(s.exchange.step_counters())
+        ]
         self._embedding_shardings, self._served = kept, [s.exchange for s in kept]
         return self._use_local
 
