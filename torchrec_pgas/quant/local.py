@@ -13,7 +13,7 @@ only ids checked against its own table, ``ids_check``) and its output discarded.
 
 A step is three launches, as many as TorchRec's: ``ids_check`` (the exchanges'
 validation, which also writes the ids and offsets FBGEMM reads: int32 as TorchRec's
-forward hands them, bad ids and offsets clamped into bounds), FBGEMM's int-N lookup,
+forward hands them, in bounds whatever the batch), FBGEMM's int-N lookup,
 and ``local_finish`` (NaN for a bad batch; the step's header into a ring in pinned
 host memory, ``step_records``).
 """
@@ -40,9 +40,9 @@ class LocalServing:
     ``features``, in that order (the lookup's). ``dim``: the output's width; ``name``
     names the steps in errors.
 
-    It owns a few words on the device (the verdict of the checks, the bad-batch flag,
-    the step clock) and the ring of step records in pinned host memory; nothing to
-    free but what garbage collection frees. Listed among the module's exchanges, it
+    It owns a few words on the device (the verdict of the checks, the count of
+    ``local_finish``'s programs, the step clock) and the ring of step records in pinned
+    host memory; nothing to free but what garbage collection frees. Listed among the module's exchanges, it
     answers what ``torchrec_pgas.graphs`` asks of one (``raise_errors``,
     ``step_counters``, ``advance``)."""
 
