@@ -576,3 +576,64 @@ def test_pruned_tables_are_refused():
     """A table pruned by TorchRec's quantization remaps its ids in FBGEMM, which the
     PGAS owners do not apply: refused on every rank, naming it."""
     run_ranks(_check_pruned, 2)
+
+
+def _check_fuzzed_cases(rank, world_size):
+    """Cases a randomized run found: (a) a feature read by two row-wise tables of
+    different row counts pools each table's own ids; (b) an unweighted module ignores
+    per-sample weights that only some ranks send, as the unsharded module does; (c) a
+    VBE batch with fp16 weights on one rank raises the same PgasInputError on every
+    rank, and the next batch is served; (d) PgasOptions that differ across ranks are
+    refused at sharding, on every rank, naming the field."""
+    from torchrec import EmbeddingBagConfig
+
+    from torchrec_pgas.types import PgasOptions
+
+    shared = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=4, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["f1"]),
+    ]
+    ref = _quantized(shared, "int8", False, 3)
+    model = shard_quant_model(
+        _Model(_quantized(shared, "int8", False, 3)),
+        dist.group.WORLD,
+        owners={"t0": "pgas_row_wise", "t1": "pgas_row_wise", "t2": 1},
+    )
+    for step in range(3):
+        kjt = random_kjt(shared[1:], 2 + rank + step, 40 + 10 * step + rank)  # ids valid for t1 (and t0)
+        torch.testing.assert_close(model(kjt).values(), ref(kjt).values(), rtol=RW_RTOL, atol=RW_ATOL)
+
+    tables = make_tables(3, 9)
+    ref = _quantized(tables, "int8", False, 9)
+    model = shard_quant_model(_Model(_quantized(tables, "int8", False, 9)), dist.group.WORLD)
+    kjt = random_kjt(tables, 3 + rank, 50 + rank, weighted=rank == 1)
+    assert torch.equal(model(kjt).values(), ref(kjt).values())
+
+    weighted = _quantized(tables, "int8", True, 9)
+    model = shard_quant_model(
+        _Model(_quantized(tables, "int8", True, 9)), dist.group.WORLD, owners={"t0": 1, "t1": 0, "t2": 1}
+    )
+    model(random_kjt(tables, 4, 60 + rank, weighted=True))
+    kjt = random_kjt(tables, 2, 61 + rank, weighted=True)
+    if rank == 0:
+        kjt = KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"],
+            values=torch.tensor([1, 2, 3]),
+            lengths=torch.tensor([1, 1, 1, 0]),
+            weights=torch.ones(3, dtype=torch.half),
+            stride_per_key_per_rank=[[2], [1], [1]],
+            inverse_indices=(["f0", "f1", "f2"], torch.zeros(3, 2, dtype=torch.int64)),
+        )
+    with pytest.raises(PgasInputError, match=r"rank 0 could not send its batch: its batch size varies per feature"):
+        model(kjt)
+    kjt = random_kjt(tables, 3 + rank, 62 + rank, weighted=True)
+    assert torch.equal(model(kjt).values(), weighted(kjt).values())
+
+    options = PgasOptions(headroom=1.0 + rank)
+    with pytest.raises(ValueError, match=r"PgasOptions differ across ranks in headroom \(rank 0: 1.0, rank 1: 2.0\)"):
+        shard_quant_model(_Model(_quantized(tables, "int8", False, 9)), dist.group.WORLD, options=options)
+
+
+def test_cases_a_randomized_run_found():
+    run_ranks(_check_fuzzed_cases, 2)

@@ -34,6 +34,7 @@ table-wise, in one FBGEMM module, are served by that module's lookup alone
 
 import copy
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -51,7 +52,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.quant.local import LocalServing
-from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.base import PgasShardingMixin, check_options_agree
 from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_problem, module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
@@ -189,6 +190,22 @@ def _local_module(
     return local
 
 
+def _distinct_features(
+    tables: List[EmbeddingBagConfig],
+) -> Tuple[List[EmbeddingBagConfig], Optional[List[str]]]:
+    """``tables`` with feature names that no two tables share, and those names in
+    order (None if they shared none, and ``tables`` are returned as they are).
+
+    The owner's batch on CPU ranks has a key per table reading a feature, and
+    TorchRec's quantized module takes a feature's ids by its name: the first of two
+    same-named keys for both tables, which row-wise buckets per table differently."""
+    names = [f for t in tables for f in t.feature_names]
+    if len(set(names)) == len(names):
+        return tables, None
+    renamed = [dataclasses.replace(t, feature_names=[f"{t.name}.{f}" for f in t.feature_names]) for t in tables]
+    return renamed, [f for t in renamed for f in t.feature_names]
+
+
 def _group_sizes(tables: Sequence[EmbeddingBagConfig]) -> List[int]:
     """The number of features of each FBGEMM module of a ``QuantEmbeddingBagCollection``
     of ``tables`` (in ``_lookup_order``): the GPU exchange's lookup groups."""
@@ -314,6 +331,11 @@ def _pool_groups(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _without_weights(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``kjt`` without its per-sample weights (same ids, lengths and batch size)."""
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), stride=kjt.stride())
+
+
 def _as_module(tbe: nn.Module) -> Any:
     return lambda indices, offsets, weights: tbe(indices=indices, offsets=offsets, per_sample_weights=weights)
 
@@ -365,6 +387,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
         _check_plan(module, configs, owners, world_size)
+        check_options_agree(options, pg, PGAS_TABLE_WISE)
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
         device = module.device
@@ -384,6 +407,9 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self.local: Optional[QuantEmbeddingBagCollection] = None
         self.local_row_wise: Optional[QuantEmbeddingBagCollection] = None
         blocks: List[List[EmbeddingBagConfig]] = []
+        # The keys each pooling module is given its batch under on CPU ranks, where
+        # they differ from the exchange's (``_distinct_features``).
+        self._pool_keys: Dict[str, Optional[List[str]]] = {}
 
         per_rank = [_lookup_order([t for t in configs if owners[t.name] == r]) for r in range(world_size)]
         if any(per_rank):
@@ -401,7 +427,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 headroom=options.headroom,
                 name=PGAS_TABLE_WISE,
             )
-            self.local = _local_module(module, copy.deepcopy(per_rank[rank]), weights, device)
+            mine_tw, self._pool_keys["local"] = _distinct_features(copy.deepcopy(per_rank[rank]))
+            self.local = _local_module(module, mine_tw, weights, device)
             self._parts.append((exchange, [f.name for fs in features_per_rank for f in fs], "local"))
             blocks.extend(per_rank)
 
@@ -437,6 +464,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 )
                 for t in mine
             }
+            mine, self._pool_keys["local_row_wise"] = _distinct_features(mine)
             self.local_row_wise = _local_module(module, mine, block_weights, device)  # type: ignore[arg-type]
             self._parts.append((exchange, [f.name for f in features], "local_row_wise"))
             blocks.append(row_wise)
@@ -447,6 +475,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             PgasPooledEmbeddingDist(exchange, PGAS_ROW_WISE if name == "local_row_wise" else PGAS_TABLE_WISE)
             for exchange, _, name in self._parts
         ]
+        self._configs = list(configs)
         self._keys = list(module._embedding_names)
         self._length_per_key, columns = _output_columns(configs, blocks, self._keys)
         self._columns = columns.to(device) if columns is not None else None
@@ -463,7 +492,6 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         self._served: List[Any] = [s.exchange for s in self._embedding_shardings]
         self._needed = list(dict.fromkeys(f for _, keys, _ in self._parts for f in keys))
         self._feature_rows = feature_rows(configs)
-        self._configs = list(configs)
         self._batch_keys: Optional[List[str]] = None
         self._permutes: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
         # GPUs: whether batches go to every exchange whole (decided on the first).
@@ -500,7 +528,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         local = self.local
         if world_size != 1 or self._device.type != "cuda" or local is None or self.local_row_wise is not None:
             return None
-        configs = local.embedding_bag_configs()
+        configs = _lookup_order(self._configs)
         features = [TwFeature(f, t.name, t.num_embeddings) for t in configs for f in t.feature_names]
         if len(local._emb_modules) != 1 or len({f.name for f in features}) != len(features):
             return None
@@ -547,6 +575,9 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         problem = module_batch_problem(features, self._batch_keys, self._needed)
         if problem is None and self._is_weighted and features.weights_or_none() is None:
             problem = "per-sample weights are missing: the module's tables are weighted"
+        if problem is None and features.variable_stride_per_key():
+            # Refused before its split by feature, which may fail on this rank alone.
+            problem = "batch size varies per feature (VBE), which the PGAS sharding types do not serve"
         return problem
 
     def _adopt_input_order(self, features: KeyedJaggedTensor) -> bool:
@@ -601,20 +632,37 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         features = with_float32_weights(features)
         steps = []
         for i, (exchange, wanted, _) in enumerate(self._parts):
-            part = features
-            if keys != wanted:
-                perm = self._permutes.setdefault((i, tuple(keys)), [keys.index(f) for f in wanted])
-                part = features.permute(perm)
-            steps.append(send_ids(exchange, part))
+            send = functools.partial(send_ids, exchange)
+            try:
+                part = features
+                if keys != wanted:
+                    perm = self._permutes.setdefault((i, tuple(keys)), [keys.index(f) for f in wanted])
+                    part = features.permute(perm)
+            except Exception as e:  # noqa: BLE001 - sent as the step's problem, raised on every rank
+                steps.append(send_problem(exchange, features, f"features cannot be split ({e})", wanted, send))
+                continue
+            steps.append(send(part))
         return steps
 
-    def _pool(self, local: Optional[QuantEmbeddingBagCollection], batch: LookupInput) -> torch.Tensor:
+    def _pool(
+        self, local: Optional[QuantEmbeddingBagCollection], batch: LookupInput, keys: Optional[List[str]] = None
+    ) -> torch.Tensor:
         """This owner's pooled rows of every source's bags of ``batch`` (in the
-        exchange's lookup order), by ``local`` (None: the rank owns none)."""
+        exchange's lookup order), by ``local`` (None: the rank owns none), whose
+        features are ``keys`` if given (the batch's, renamed in order)."""
         if isinstance(batch, HostBatch):
             if local is None:
                 return torch.empty(batch.kjt.stride(), 0, dtype=self._out_dtype)
-            return local(batch.kjt).values()
+            kjt = batch.kjt
+            if keys is not None:
+                kjt = KeyedJaggedTensor(
+                    keys=keys,
+                    values=kjt.values(),
+                    lengths=kjt.lengths(),
+                    weights=kjt.weights_or_none(),
+                    stride=kjt.stride(),
+                )
+            return local(kjt).values()
         if local is None:
             return torch.empty(batch.stride(), 0, dtype=self._out_dtype, device=self._device)
         lookups = self._lookups.get(id(local))
@@ -633,6 +681,14 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         if isinstance(features, KeyedJaggedTensor) and features.device() != self._device:
             # The unsharded module takes a batch on any device (FBGEMM moves it).
             features = features.to(self._device, non_blocking=True)
+        if (
+            isinstance(features, KeyedJaggedTensor)
+            and not self._is_weighted
+            and features.weights_or_none() is not None
+            and not features.variable_stride_per_key()  # refused as such
+        ):
+            # Ignored, as the unsharded module ignores them: its tables are unweighted.
+            features = _without_weights(features)
         if self._serve_locally(features):
             out = self._local_serving(features)  # type: ignore[misc]
             return KeyedTensor(keys=self._keys, length_per_key=self._length_per_key, values=out)
@@ -650,7 +706,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             raise error
         outs = []
         for (_, _, local_name), output_dist, batch in zip(self._parts, self._output_dists, batches):
-            embs = self._pool(getattr(self, local_name), batch)
+            embs = self._pool(getattr(self, local_name), batch, self._pool_keys.get(local_name))
             # (A row-wise mean's fp32 divisor would promote fp16 or bf16 rows.)
             outs.append(output_dist.pooled(PooledLookup(embs, batch.route)).to(self._out_dtype))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

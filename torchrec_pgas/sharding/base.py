@@ -99,28 +99,12 @@ class PgasShardingMixin:
             raise setup_failed_earlier(self.pgas_name, self._setup_error) from self._setup_error
         if self._exchange is None:
             try:
-                self._check_options_agree()
+                check_options_agree(self._options, self._pg, self.pgas_name)  # type: ignore[attr-defined]
                 self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
             except BaseException as e:
                 self._setup_error = e
                 raise
         return self._exchange
-
-    def _check_options_agree(self) -> None:
-        """Raises on every rank if the ranks' ``PgasOptions`` differ, naming the fields:
-        buffers sized from different options would not match (one collective, once)."""
-        everyone: List[Any] = [None] * dist.get_world_size(self._pg)  # type: ignore[attr-defined]
-        dist.all_gather_object(everyone, dataclasses.asdict(self._options), group=self._pg)  # type: ignore[attr-defined]
-        differing = [
-            f"{name} ({', '.join(f'rank {r}: {o[name]!r}' for r, o in enumerate(everyone))})"
-            for name in everyone[0]
-            if any(o[name] != everyone[0][name] for o in everyone)
-        ]
-        if differing:
-            raise ValueError(
-                f"{self.pgas_name}: PgasOptions differ across ranks in {'; '.join(differing)}: "
-                f"pass every rank the same options"
-            )
 
     def report_input_problem(self, status: Optional[Status], detail: Optional[Tuple[Any, ...]]) -> None:
         """See ``BaseTwExchange.report_input_problem``."""
@@ -158,4 +142,20 @@ class PgasShardingMixin:
             feature_processor=feature_processor,
             env=self._env,  # type: ignore[attr-defined]
             **kwargs,
+        )
+
+
+def check_options_agree(options: Any, pg: dist.ProcessGroup, name: str) -> None:
+    """Raises on every rank if the ranks' ``PgasOptions`` differ, naming the fields:
+    buffers sized from different options would not match (one collective, once)."""
+    everyone: List[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, dataclasses.asdict(options), group=pg)
+    differing = [
+        f"{field} ({', '.join(f'rank {r}: {o[field]!r}' for r, o in enumerate(everyone))})"
+        for field in everyone[0]
+        if any(o[field] != everyone[0][field] for o in everyone)
+    ]
+    if differing:
+        raise ValueError(
+            f"{name}: PgasOptions differ across ranks in {'; '.join(differing)}: pass every rank the same options"
         )

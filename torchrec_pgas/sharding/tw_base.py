@@ -367,10 +367,10 @@ def batch_problem(kjt: Any, expected_keys: Sequence[str]) -> Optional[Tuple[Stat
 def with_float32_weights(kjt: Any) -> Any:
     """``kjt`` with its per-sample weights as the slots store them, float32 (FBGEMM's
     bucketize and permute take no half-precision weights); ``kjt`` itself if they are
-    already, or if it has none."""
+    already, if it has none, or if it is VBE (refused as such)."""
     weights = kjt.weights_or_none()
-    if weights is None or weights.dtype == torch.float32:
-        return kjt
+    if weights is None or weights.dtype == torch.float32 or kjt.variable_stride_per_key():
+        return kjt  # (rebuilt here, a VBE batch would lose its batch sizes)
     return type(kjt)(
         keys=kjt.keys(),
         values=kjt.values(),
