@@ -12,7 +12,7 @@ from torchrec import EmbeddingBagCollection, PoolingType
 from torchrec.distributed.sharding_plan import row_wise
 
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.sharding_plan import pgas_row_wise
+from torchrec_pgas.sharding_plan import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import gather_unsharded_state_dict
 
 
@@ -134,6 +134,14 @@ def _mixed_row_wise_kinds(rank, world_size):
     placement = {"t0": pgas_row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
     with pytest.raises(
         ValueError, match=r"pgas_row_wise tables \['t0'\] and TorchRec row_wise / table_row_wise features \['f1'\]"
+    ):
+        shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
+    # TorchRec's mean divisor scales a sum-pooled table-wise table's columns too (its
+    # own table_wise's alike): refused for pgas_table_wise beside it.
+    tables[0].pooling = PoolingType.SUM
+    placement = {"t0": pgas_table_wise(rank=1, compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
+    with pytest.raises(
+        ValueError, match=r"pgas_table_wise tables \['t0'\] and TorchRec row_wise / table_row_wise features \['f1'\]"
     ):
         shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
 

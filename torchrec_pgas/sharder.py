@@ -118,23 +118,29 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _refuse_mean_across_row_wise_kinds(self) -> None:
         """TorchRec divides its whole output by one mean divisor when a table of its
-        own row-wise types pools by mean, and ``pgas_row_wise`` divides its own columns:
-        in one module with mean pooling on either side, some columns would be divided
-        twice or wrongly. Refused on every rank, naming the tables."""
+        own row-wise types pools by mean (its own ``table_wise`` columns beside them
+        come out wrong too), and ``pgas_row_wise`` divides its own columns: in one
+        module with PGAS tables, TorchRec's row-wise tables and mean pooling on either
+        side, some columns would be divided wrongly. Refused on every rank, naming the
+        tables."""
         torchrec_rs = {f for features in self._pooling_type_to_rs_features.values() for f in features}
-        ours = [
-            c for c in self._embedding_bag_configs if self.module_sharding_plan[c.name].sharding_type == PGAS_ROW_WISE
-        ]
+        kinds = (PGAS_TABLE_WISE, PGAS_ROW_WISE)
+        ours = [c for c in self._embedding_bag_configs if self.module_sharding_plan[c.name].sharding_type in kinds]
         if not ours or not torchrec_rs:
             return
+        ours_rw = [c for c in ours if self.module_sharding_plan[c.name].sharding_type == PGAS_ROW_WISE]
         if PoolingType.MEAN.value in self._pooling_type_to_rs_features or any(
-            c.pooling == PoolingType.MEAN for c in ours
+            c.pooling == PoolingType.MEAN for c in ours_rw
         ):
+            types = "/".join(
+                t for t in kinds if any(self.module_sharding_plan[c.name].sharding_type == t for c in ours)
+            )
             raise ValueError(
-                f"{PGAS_ROW_WISE} tables {[c.name for c in ours]} and TorchRec row_wise / "
+                f"{types} tables {[c.name for c in ours]} and TorchRec row_wise / "
                 f"table_row_wise features {sorted(torchrec_rs)} in one module, with mean pooling on "
-                f"one side: TorchRec's mean divisor would apply to every column; shard these "
-                f"tables all {PGAS_ROW_WISE} or all row_wise"
+                f"one side: TorchRec's mean divisor would apply to every column; shard the row-wise "
+                f"tables all {PGAS_ROW_WISE} (which divides its own columns), or put TorchRec's in a "
+                f"module of their own"
             )
 
     def forward(self, *input: Any, **kwargs: Any) -> LazyAwaitable[KeyedTensor]:
