@@ -26,6 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.ids_check import NONE, ids_check
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, Header, Status, describe
 from torchrec_pgas.kernels.local_finish import local_finish
+from torchrec_pgas.sharding.exchange import raise_together
 from torchrec_pgas.sharding.step_records import Record, StepRecords
 from torchrec_pgas.sharding.tw_base import PgasInputError, TwFeature, batch_problem
 
@@ -161,12 +162,8 @@ class LocalServing:
         """See ``Exchange.raise_errors``: what the records of finished steps report,
         the first error with the others as notes (each is raised once)."""
         self._keep(self._records.finished(self._step, wait))
-        if self._pending:
-            first, *rest = self._pending
-            self._pending = []
-            for e in rest:
-                first.add_note(f"and: {type(e).__name__}: {e}")
-            raise first
+        pending, self._pending = self._pending, []
+        raise_together(pending)
 
     def step_counters(self) -> Tuple[int, ...]:
         """See ``Exchange.step_counters``."""

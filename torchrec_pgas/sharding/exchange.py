@@ -10,7 +10,7 @@ pipeline may drop a batch after its input dist.
 """
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -133,19 +133,26 @@ class Exchange(Protocol):
         step on the host before returning its output have nothing to raise here."""
 
 
+def raise_together(errors: Sequence[BaseException]) -> None:
+    """Raises the first of ``errors`` with the others as its notes, if there is any:
+    every error pending for a batch in one raise, none left over for a later one."""
+    if not errors:
+        return
+    first, *rest = errors
+    for e in rest:
+        first.add_note(f"and: {type(e).__name__}: {e}")
+    raise first
+
+
 def raise_errors(exchanges: Sequence[Exchange], wait: bool = False) -> None:
     """``raise_errors`` of every exchange in ``exchanges`` (those of one model, between
     its steps): every one is asked before anything is raised, so one call raises every
     error pending for a batch (the first, with the others as notes) and none is left
     over for a later call."""
-    first: Optional[BaseException] = None
+    errors: List[BaseException] = []
     for exchange in exchanges:
         try:
             exchange.raise_errors(wait=wait)
         except Exception as e:  # noqa: BLE001 - every exchange is asked before raising
-            if first is None:
-                first = e
-            else:
-                first.add_note(f"and: {type(e).__name__}: {e}")
-    if first is not None:
-        raise first
+            errors.append(e)
+    raise_together(errors)

@@ -24,6 +24,7 @@ from torchrec_pgas.sharding.device_routing import (
     TableWiseIds,
     first_batch_sizes,
 )
+from torchrec_pgas.sharding.exchange import raise_together
 from torchrec_pgas.sharding.fused_update import FusedUpdate
 from torchrec_pgas.sharding.step_records import Record, StepRecords
 from torchrec_pgas.sharding.tw_base import BaseTwExchange
@@ -164,12 +165,8 @@ class DeviceTwSetup(BaseTwExchange):
         """See ``Exchange.raise_errors``: what the records of finished steps report,
         the first error with the others as notes (each is raised once)."""
         self._keep(self._errors.finished(self._out_step, wait))
-        if self._pending:
-            first, *rest = self._pending
-            self._pending = []
-            for e in rest:
-                first.add_note(f"and: {type(e).__name__}: {e}")
-            raise first
+        pending, self._pending = self._pending, []
+        raise_together(pending)
 
     def step_counters(self) -> Tuple[int, ...]:
         """See ``Exchange.step_counters``."""
