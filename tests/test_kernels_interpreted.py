@@ -136,6 +136,22 @@ def _expected(problem, lengths, values, rows, routed, B, layout, weighted):
     ]
 
 
+def _spoiled(rnd: random.Random, problem: str, rows: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor):
+    """A source batch's lengths, ids and offsets with ``problem`` put in (in place
+    where it changes one entry): an id past its table or negative, a negative length,
+    or one id more than the lengths add up to; any other problem leaves them valid."""
+    if problem == "too_large" and values.numel():
+        values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
+    if problem == "negative_id" and values.numel():
+        values[rnd.randrange(values.numel())] = -1
+    if problem == "negative":
+        lengths[rnd.randrange(lengths.numel())] = -1
+    offsets = _offsets(lengths)
+    if problem == "mismatch":
+        values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
+    return lengths, values, offsets
+
+
 def _deliver(chunks: torch.Tensor, nbytes: int) -> torch.Tensor:
     """What ``put_signal`` would write: each owner's chunks copied into a buffer of its own."""
     out = torch.zeros(chunks.size(0), nbytes, dtype=torch.uint8)
@@ -178,19 +194,11 @@ def test_source_slots_match_the_oracle(k, seed, problem):
     weights = torch.rand(values.numel(), generator=g) if weighted else None
     most = max([1] + [len(fs) for fs in routed])
     layout = IdsSlotLayout.for_batch(most, B, values.numel(), 1.5, min_batch=1, min_ids=1)
-    if problem == "too_large" and values.numel():
-        values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
-    if problem == "negative_id" and values.numel():
-        values[rnd.randrange(values.numel())] = -1
-    if problem == "negative":
-        lengths[rnd.randrange(lengths.numel())] = -1
+    lengths, values, offsets = _spoiled(rnd, problem, rows, lengths, values)
     if problem == "over":
         layout = IdsSlotLayout(
             max_features=most, batch_capacity=max(1, B - rnd.randint(0, 1)), ids_capacity=max(1, values.numel() // 2)
         )
-    offsets = _offsets(lengths)
-    if problem == "mismatch":
-        values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
     # The clock's send word (the last step sent), the sending rank, the generations.
@@ -269,15 +277,7 @@ def test_local_step_keeps_the_lookup_in_bounds_and_reports_as_a_slot_header(k, s
     for i in range(2):
         B = rnd.randint(1, 9) if seed or i or problem == "negative" else 0  # an empty batch
         lengths, values = _source_batch(g, F, B, rows)
-        if problem == "too_large" and values.numel():
-            values[rnd.randrange(values.numel())] = int(rows.max()) + rnd.randint(0, 5)
-        if problem == "negative_id" and values.numel():
-            values[rnd.randrange(values.numel())] = -1
-        if problem == "negative":
-            lengths[rnd.randrange(lengths.numel())] = -1
-        offsets = _offsets(lengths)
-        if problem == "mismatch":
-            values = torch.cat([values, torch.zeros(1, dtype=torch.int64)])
+        lengths, values, offsets = _spoiled(rnd, problem, rows, lengths, values)
         if seed % 2:
             values = values.to(torch.int32)
         weighted = bool(seed % 2)
