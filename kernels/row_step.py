@@ -7,6 +7,12 @@ with fp32 weights, as FBGEMM's fused backward applies them:
 * ``ROWWISE_ADAGRAD``: ``m += mean((g + wd * w)^2)`` with L2 weight decay (mode 1), else
   ``mean(g^2)``; ``mult = lr / (sqrt(m) + eps)``; ``w = c * w - mult * g`` with
   ``c = 1 - mult * wd`` (L2), ``1 - lr * wd`` (decoupled, mode 2) or 1.
+
+The hyper-parameters are read from device memory, not passed at launch: a captured
+step then applies the learning rate of each replay (a schedule's), not its capture's.
+
+Buffers:
+    hyper:     float32 [HYPER_WORDS]  the learning rate, eps and weight decay
 """
 
 from typing import NamedTuple
@@ -16,18 +22,18 @@ import triton.language as tl
 
 #: ``OPTIM`` values.
 SGD, ROWWISE_ADAGRAD = 0, 1
+#: Words of ``hyper``: the learning rate, eps, the weight decay.
+LEARNING_RATE, EPS, WEIGHT_DECAY = 0, 1, 2
+HYPER_WORDS = 3
 
 
 class StepRule(NamedTuple):
-    """The optimizer step of both launches of the update: the rule (``SGD`` or
-    ``ROWWISE_ADAGRAD``) and its hyper-parameters as FBGEMM's fused backward reads them
-    (``weight_decay_mode``: 0 none, 1 L2, 2 decoupled; weight decay applies to
-    ``ROWWISE_ADAGRAD`` only)."""
+    """What both launches of the update are compiled for: the rule (``SGD`` or
+    ``ROWWISE_ADAGRAD``) and FBGEMM's weight decay mode (0 none, 1 L2, 2 decoupled;
+    weight decay applies to ``ROWWISE_ADAGRAD`` only). The values the rule reads are
+    ``hyper``'s."""
 
     optim: int
-    learning_rate: float
-    eps: float = 0.0
-    weight_decay: float = 0.0
     weight_decay_mode: int = 0
 
 
@@ -39,18 +45,19 @@ def row_step(
     mask,
     state_ptr,
     state_at,
-    learning_rate,
-    eps,
-    weight_decay,
+    hyper_ptr,
     weight_decay_mode,
     OPTIM: tl.constexpr,
 ):
     """The rows ``w`` (fp32 [R, BLOCK_D], zero past ``dim``) after the step of their
     summed gradients ``g`` (the same shape); updates the optimizer state of the rows
     where ``mask`` is on."""
+    learning_rate = tl.load(hyper_ptr)  # the words of LEARNING_RATE, EPS, WEIGHT_DECAY
     if OPTIM == 0:
         w = w - learning_rate * g
     else:
+        eps = tl.load(hyper_ptr + 1)
+        weight_decay = tl.load(hyper_ptr + 2)
         g2 = g
         if weight_decay_mode == 1:
             g2 = g + weight_decay * w

@@ -42,6 +42,8 @@ Buffers:
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  out: the
                blocks' sums of rows that cross blocks
     verdict:   int64 [1]  nonzero for a bad step (``step_verdict``)
+    hyper:     float32 [HYPER_WORDS]  the optimizer's learning rate, eps and weight
+               decay (``row_step``)
 """
 
 import torch
@@ -119,9 +121,7 @@ def row_update_kernel(
     partial_ptr,
     verdict_ptr,
     n: tl.int64,
-    learning_rate: tl.float32,
-    eps: tl.float32,
-    weight_decay: tl.float32,
+    hyper_ptr,
     weight_decay_mode: tl.int64,
     OPTIM: tl.constexpr,
     SCALED: tl.constexpr,
@@ -179,9 +179,7 @@ def row_update_kernel(
                 whole,
                 state_ptr,
                 state_at,
-                learning_rate,
-                eps,
-                weight_decay,
+                hyper_ptr,
                 weight_decay_mode,
                 OPTIM,
             )
@@ -206,6 +204,7 @@ def row_update(
     state: torch.Tensor,
     partial: torch.Tensor,
     verdict: torch.Tensor,
+    hyper: torch.Tensor,
     max_dim: int,
     rule: StepRule,
     scaled: bool,
@@ -228,9 +227,7 @@ def row_update(
         partial,
         verdict,
         n,
-        rule.learning_rate,
-        rule.eps,
-        rule.weight_decay,
+        hyper,
         rule.weight_decay_mode,
         OPTIM=rule.optim,
         SCALED=scaled,

@@ -22,6 +22,8 @@ Buffers:
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  the blocks'
                sums (``row_update``)
     verdict:   int64 [1]  nonzero for a bad step (``step_verdict``)
+    hyper:     float32 [HYPER_WORDS]  the optimizer's learning rate, eps and weight
+               decay (``row_step``)
 """
 
 import torch
@@ -50,9 +52,7 @@ def run_update_kernel(
     n: tl.int64,
     blocks: tl.int64,
     search_steps: tl.int64,
-    learning_rate: tl.float32,
-    eps: tl.float32,
-    weight_decay: tl.float32,
+    hyper_ptr,
     weight_decay_mode: tl.int64,
     OPTIM: tl.constexpr,
     SENTINEL: tl.constexpr,
@@ -118,9 +118,7 @@ def run_update_kernel(
                     owner,
                     state_ptr,
                     state_at,
-                    learning_rate,
-                    eps,
-                    weight_decay,
+                    hyper_ptr,
                     weight_decay_mode,
                     OPTIM,
                 )
@@ -137,6 +135,7 @@ def run_update(
     state: torch.Tensor,
     partial: torch.Tensor,
     verdict: torch.Tensor,
+    hyper: torch.Tensor,
     max_dim: int,
     rule: StepRule,
 ) -> None:
@@ -157,9 +156,7 @@ def run_update(
         n,
         blocks,
         max(blocks, 1).bit_length(),
-        rule.learning_rate,
-        rule.eps,
-        rule.weight_decay,
+        hyper,
         rule.weight_decay_mode,
         OPTIM=rule.optim,
         SENTINEL=sentinel(keys.dtype),

@@ -405,6 +405,7 @@ CASES = {
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
             "verdict_ptr": "*i64",
+            "hyper_ptr": "*fp32",
         },
         [
             {
@@ -432,6 +433,7 @@ CASES = {
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
             "verdict_ptr": "*i64",
+            "hyper_ptr": "*fp32",
         },
         [
             {

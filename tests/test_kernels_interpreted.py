@@ -935,6 +935,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
     tbe, rows = _fbgemm_cpu_tbe(optimizer, dims, table_of, mean, wd_mode, seed)
+    # The hyper-parameters, read by the kernels from device memory: a learning rate per
+    # seed, set as a schedule sets it.
+    lr, eps, wd = [0.05, 0.3, 0.01, 0.07][seed], 1e-2, 0.03 if wd_mode else 0.0
+    tbe.set_learning_rate(lr)
     g = torch.Generator().manual_seed(100 + seed)
     F, B = len(table_of), [5, 6, 7, 60][seed]
     lengths = torch.randint(0, 6, (F * B,), generator=g)
@@ -991,11 +995,12 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
-        rule = row_step.StepRule(optim, 0.05, 1e-2, 0.03 if wd_mode else 0.0, wd_mode)
+        rule = row_step.StepRule(optim, wd_mode)
+        hyper = torch.tensor([lr, eps, wd])
         k.row_update.row_update(
-            sorted_keys, src, scale, where, grad, table, state, partial, verdict, max(dims), rule, scaled
+            sorted_keys, src, scale, where, grad, table, state, partial, verdict, hyper, max(dims), rule, scaled
         )  # fmt: skip
-        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, max(dims), rule)
+        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, hyper, max(dims), rule)
         return table, state
 
     ok_record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)
@@ -1025,7 +1030,6 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
                 key = int(tbe.weights_offsets[f]) + int(values[p]) * dim
                 row = grad[b, col : col + dim].double() * scale
                 summed[key] = (summed[key][0] + row, f) if key in summed else (row, f)
-    lr, eps, wd = 0.05, 1e-2, 0.03 if wd_mode else 0.0
     for key, (gsum, f) in summed.items():
         dim = D_off[f + 1] - D_off[f]
         w = ref_w[key : key + dim]
@@ -1152,7 +1156,8 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     tables, ``EXACT_ROWWISE_ADAGRAD`` over one) read their columns of one gradient
     (the second group's after the first's), from index tensors of fixed capacity padded
     past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
-    batch's ids (1e-6), and a bad step's record updates neither."""
+    batch's ids (1e-6) over three steps whose learning rate changes (through the fused
+    optimizer, through FBGEMM's module), and a bad step's record updates neither."""
     import copy
     from types import SimpleNamespace
 
@@ -1181,9 +1186,12 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     widths = [int(ref.D_offsets[-1]) for ref in refs]
     grad = torch.randn(B, sum(widths), generator=g)
     ours = [_as_on_gpu(copy.deepcopy(ref)) for ref in refs]
+    # Each lookup's fused optimizer, as far as the update reads it.
+    optimizers = [SimpleNamespace(param_groups=[{"lr": ref.get_learning_rate()}]) for ref in refs]
+    lookups = [SimpleNamespace(emb_module=t, fused_optimizer=o) for t, o in zip(ours, optimizers)]
     update = FusedUpdate(enabled=True, weighted=False, device=torch.device("cpu"))
-    groups = update.groups([SimpleNamespace(emb_module=t) for t in ours])
-    assert groups is not None and update.groups([SimpleNamespace(emb_module=t) for t in ours]) is groups
+    groups = update.groups(lookups)
+    assert groups is not None and update.groups(lookups) is groups
     kjts = [
         KeyedJaggedTensor(keys=[f"f{f}" for f in range(len(o) - 1)], values=padded, offsets=o)
         for (_, o, padded) in batches
@@ -1197,15 +1205,29 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     prepared = update.prepare(groups, kjts, B, grad.shape[1])
     update.apply(groups, prepared, grad, grad.shape[1], bad, err, S)
     assert all(torch.equal(t.weights_dev, w) for t, w in zip(ours, before))
-    update.apply(groups, prepared, grad, grad.shape[1], record, err, S)
-    col = 0
-    for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
-        ref(values, offsets).backward(grad[:, col : col + width])
-        col += width
-        assert not torch.equal(mine.weights_dev, w0)
-        torch.testing.assert_close(mine.weights_dev, ref.weights_host.detach(), rtol=1e-6, atol=1e-6)
-        if ref.optimizer.name == "EXACT_ROWWISE_ADAGRAD":
-            torch.testing.assert_close(mine.momentum1_dev, ref.momentum1_host.detach(), rtol=1e-6, atol=1e-6)
+    # Good steps at the tables' learning rate; at one a schedule set in the fused
+    # optimizers' param_groups, taken by ``refresh`` (as before a graph's replay); at one
+    # set in FBGEMM's modules, read by the update itself (as after an eager step's
+    # ``optimizer.step()``).
+    for step, lr in enumerate((None, 0.4, 0.03)):
+        if step == 1:
+            for o in optimizers:
+                o.param_groups[0]["lr"] = lr
+            update.refresh()
+        elif step == 2:
+            for t in ours:
+                t.set_learning_rate(lr)
+        update.apply(groups, prepared, grad, grad.shape[1], record, err, S)
+        col = 0
+        for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
+            if lr is not None:
+                ref.set_learning_rate(lr)
+            ref(values, offsets).backward(grad[:, col : col + width])
+            col += width
+            assert not torch.equal(mine.weights_dev, w0)
+            torch.testing.assert_close(mine.weights_dev, ref.weights_host.detach(), rtol=1e-6, atol=1e-6)
+            if ref.optimizer.name == "EXACT_ROWWISE_ADAGRAD":
+                torch.testing.assert_close(mine.momentum1_dev, ref.momentum1_host.detach(), rtol=1e-6, atol=1e-6)
 
 
 @triton.jit

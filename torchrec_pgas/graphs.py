@@ -285,6 +285,8 @@ class CapturedStep:
     def _replay(self) -> None:
         if len(self._in_flight) >= self._max_ahead:
             self._in_flight.popleft().synchronize()
+        for exchange in self._exchanges:
+            exchange.before_replay()
         self._graph.replay()
         done = torch.cuda.Event()
         done.record()
@@ -330,7 +332,9 @@ def capture(
     after it are served normally.
 
     Training: ``fn`` may run the forward, ``loss.backward()`` and ``optimizer.step()``.
-    FBGEMM's fused optimizers update the tables inside the backward. A dense optimizer
+    FBGEMM's fused optimizers update the tables inside the backward, at the learning
+    rate their ``param_groups`` hold when the step is called (each call reads it, so a
+    ``torch.optim.lr_scheduler`` over the fused optimizer works as in eager steps). A dense optimizer
     must be capturable: ``torch.optim.SGD`` is; Adam and AdamW need ``capturable=True``;
     an optimizer that keeps state on the host (Adagrad's step count) replays the update
     it computed at capture, exact only while that state does not change it (Adagrad with

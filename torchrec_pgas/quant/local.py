@@ -173,3 +173,6 @@ class LocalServing:
         """See ``Exchange.advance``: the device's clock keeps the true count."""
         self._step += delta[0]
         self._records.checked = min(self._records.checked, self._step)
+
+    def before_replay(self) -> None:
+        """See ``Exchange.before_replay``: serving reads no optimizer."""

@@ -126,6 +126,11 @@ class Exchange(Protocol):
         captured steps after a capture (captured work does not run), plus them after
         each replay. The device keeps its own count, which the kernels read."""
 
+    def before_replay(self) -> None:
+        """Enqueues, ahead of a CUDA graph's replay, what brings the values the graph
+        reads from host objects up to date on the device (the tables' learning rate,
+        which a schedule changes between steps); no step."""
+
     def raise_errors(self, wait: bool = False) -> None:
         """Raises what the steps that have finished on the device reported (bad
         batches on any rank, timeouts), oldest first, the same on every rank; with

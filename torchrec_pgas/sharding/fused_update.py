@@ -15,13 +15,16 @@ no max-norm or gradient clipping) over fp32 weights wholly in device memory, and
 mean pooling of weighted bags. Results equal FBGEMM's to fp32 rounding (the order of
 additions differs), and a bad step updates nothing (see ``row_update``).
 
-The hyper-parameters (learning rate, eps, weight decay) are read from the FBGEMM module
-at each backward; a captured step keeps those of its capture, as FBGEMM's own
-kernels would.
+The hyper-parameters (learning rate, eps, weight decay) are FBGEMM's module's: the
+kernels read them from a small device tensor per group, which an eager backward brings
+up to date (a write only when one changed) and a CUDA graph's replay too, before it
+runs (``refresh``: it also takes the learning rate of the tables' fused optimizer, as
+that optimizer's ``step()`` would). A learning-rate schedule then works in captured
+training as in eager training; as launch arguments, a graph would keep its capture's.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -29,7 +32,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.row_step import ROWWISE_ADAGRAD, SGD, StepRule
+from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS, sort_order
@@ -47,7 +50,10 @@ class GroupUpdate:
     table's first row, gradient column and mean pooling (``features``, int64 [F, 3], see
     ``kernels/update_keys``), per table with rows its first row, weights offset, dim and
     optimizer state offset (``tables``, int64 [T, 4], by first row, see
-    ``kernels/sort_order``), and the dtype of its rows' sort keys."""
+    ``kernels/sort_order``), the dtype of its rows' sort keys, its fused optimizer
+    (TorchRec's, whose ``param_groups`` hold the learning rate a schedule sets; None if
+    the lookup has none), and the hyper-parameters the kernels read (``hyper``, float32
+    [HYPER_WORDS], see ``kernels/row_step``) with the values last written there."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
     features: torch.Tensor
@@ -56,6 +62,25 @@ class GroupUpdate:
     max_dim: int
     keys: torch.dtype
     mean: bool
+    optimizer: Optional[torch.optim.Optimizer]
+    hyper: torch.Tensor
+    written: Tuple[float, ...] = ()
+
+    def hyper_parameters(self) -> Tuple[float, ...]:
+        """The learning rate, eps and weight decay FBGEMM's module holds now, as its
+        fused backward reads them (none but the learning rate for ``EXACT_SGD``)."""
+        args, adagrad = self.tbe.optimizer_args, self.optim == ROWWISE_ADAGRAD
+        lr = self.tbe.get_learning_rate()
+        return (float(lr), float(args.eps) if adagrad else 0.0, float(args.weight_decay) if adagrad else 0.0)
+
+    def write_hyper_parameters(self) -> None:
+        """Brings ``hyper`` up to date: a write (per changed word, enqueued on the
+        current stream) only where a value changed since the last."""
+        values = self.hyper_parameters()
+        for word, value in enumerate(values):
+            if not self.written or self.written[word] != value:
+                self.hyper[word : word + 1].fill_(value)
+        self.written = values
 
 
 def _qualifies(tbe: Any, weighted: bool) -> bool:
@@ -137,7 +162,7 @@ class FusedUpdate:
             self.enabled = False
             return None
         groups, col = [], 0
-        for t in tbes:
+        for m, t in zip(emb_modules, tbes):
             dims, first_rows = t.D_offsets.tolist(), t.hash_size_cumsum.tolist()
             mean = int(t.pooling_mode == PoolingMode.MEAN)
             width = [dims[f + 1] - dims[f] for f in range(len(dims) - 1)]
@@ -151,11 +176,22 @@ class FusedUpdate:
                     max_dim=max(width),
                     keys=key_dtype(int(t.total_hash_size)),
                     mean=bool(mean),
+                    optimizer=getattr(m, "fused_optimizer", None),
+                    hyper=torch.zeros(HYPER_WORDS, dtype=torch.float32, device=self._dev),
                 )
             )
             col += dims[-1]
         self._tbes, self._groups = tbes, groups
         return groups
+
+    def refresh(self) -> None:
+        """Before a CUDA graph's replay: each group's learning rate from its fused
+        optimizer's ``param_groups`` into FBGEMM's module, as the optimizer's ``step()``
+        in an eager step puts it there, then the hyper-parameters the kernels read."""
+        for group in self._groups:
+            if group.optimizer is not None:
+                group.tbe.set_learning_rate(group.optimizer.param_groups[0]["lr"])
+            group.write_hyper_parameters()
 
     def _scaled(self, group: GroupUpdate) -> bool:
         """Whether the group's gradient rows are scaled (per-sample weights, mean pooling)."""
@@ -220,19 +256,17 @@ class FusedUpdate:
         grad = grad.contiguous()  # the kernels read rows of the pitch the keys were given
         verdict = torch.empty(1, dtype=torch.int64, device=grad.device)
         step_verdict(record, err, verdict, num_sources)
+        # Not while a graph is captured: a write recorded there would put the capture's
+        # values back at every replay, after ``refresh`` wrote the replay's.
+        capturing = grad.is_cuda and torch.cuda.is_current_stream_capturing()
         for group, ids in zip(groups, prepared):
             tbe, n = group.tbe, ids.keys.numel()
             partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=grad.device)
-            args = tbe.optimizer_args
             adagrad = group.optim == ROWWISE_ADAGRAD
             state = tbe.momentum1_dev if adagrad else self._no_weights
-            rule = StepRule(
-                group.optim,
-                float(tbe.get_learning_rate()),
-                float(args.eps),
-                float(args.weight_decay) if adagrad else 0.0,
-                int(args.weight_decay_mode) if adagrad else 0,
-            )
+            rule = StepRule(group.optim, int(tbe.optimizer_args.weight_decay_mode) if adagrad else 0)
+            if not capturing:
+                group.write_hyper_parameters()
             row_update(
                 ids.keys,
                 ids.src,
@@ -243,6 +277,7 @@ class FusedUpdate:
                 state,
                 partial,
                 verdict,
+                group.hyper,
                 group.max_dim,
                 rule,
                 self._scaled(group),
@@ -254,6 +289,7 @@ class FusedUpdate:
                 state,
                 partial,
                 verdict,
+                group.hyper,
                 group.max_dim,
                 rule,
             )

@@ -233,6 +233,9 @@ class BaseTwExchange:
         if any(delta):
             raise PgasError(f"{self._name}: only the GPU exchanges' steps can be captured and replayed")
 
+    def before_replay(self) -> None:
+        """See ``Exchange.before_replay``: the host exchanges run no CUDA graphs."""
+
     def raise_errors(self, wait: bool = False) -> None:
         """See ``Exchange.raise_errors``: every step of the host exchanges is checked
         before its output is returned."""

@@ -181,6 +181,10 @@ class DeviceTwSetup(BaseTwExchange):
         self._grad_step += delta[3]
         self._errors.checked = min(self._errors.checked, self._out_step)
 
+    def before_replay(self) -> None:
+        """See ``Exchange.before_replay``: the fused update's hyper-parameters."""
+        self._update.refresh()
+
     def close(self) -> None:
         """Frees the exchange's symmetric memory (collective: every rank closes at the
         same point); the exchange cannot be used after. Safe to call twice."""
