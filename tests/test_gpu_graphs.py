@@ -268,14 +268,28 @@ def _train_step(model, optimizer):
     return step
 
 
-def _train(rank, world_size, layout):
-    for optimizer in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+def _train(rank, world_size, layout, schedule=False):
+    """Captured training steps against the same steps run eagerly; with ``schedule``, under
+    a learning-rate schedule of the tables' fused optimizer (torch's ``LambdaLR``, stepped
+    after every step), which each replay takes at its call as eager steps do (a graph
+    that kept its capture's rate would drift from the eager run after the first replay)."""
+    optimizers = (
+        [EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+        if schedule
+        else [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+    )
+    for optimizer in optimizers:
         tables = make_tables(4, seed=9)
         fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
-        runs = {}
+        runs, schedules = {}, []
         for how in ("graphed", "eager"):
             ref, model = _sharded(world_size, tables, layout, fused=fused, wrapper=_Regression)
-            runs[how] = (model, _train_step(model, torch.optim.SGD(model.module.dense.parameters(), lr=0.05)))
+            dense = KeyedOptimizerWrapper(
+                dict(model.module.dense.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.05)
+            )
+            runs[how] = (model, _train_step(model, CombinedOptimizer([model.fused_optimizer, dense])))
+            if schedule:
+                schedules.append(torch.optim.lr_scheduler.LambdaLR(model.fused_optimizer, lambda step: 0.5**step))
         batch_size = 18 + 5 * rank
         g = torch.Generator().manual_seed(rank)
         batches = [
@@ -292,6 +306,9 @@ def _train(rank, world_size, layout):
         for kjt, target in batches[1:]:
             loss = graphed(kjt, target).clone()
             torch.testing.assert_close(loss, runs["eager"][1](kjt, target), rtol=1e-6, atol=1e-6)
+            for s in schedules:
+                s.step()
+        assert all(s.get_last_lr()[0] == pytest.approx(0.1 * 0.5**5) for s in schedules)
         raise_errors(runs["graphed"][0], wait=True)
         like = ref.state_dict()
         weights = {how: gather_unsharded_state_dict(m, like, prefix="ebc.") for how, (m, _) in runs.items()}
@@ -309,48 +326,9 @@ def test_captured_training_matches_eager(world_size, layout):
     run_ranks(_train, world_size, layout=layout, deadline_s=DEADLINE_S)
 
 
-def _train_on_a_schedule(rank, world_size, layout):
-    """A learning-rate schedule of the tables' fused optimizer (torch's ``LambdaLR``,
-    stepped between steps) in captured training: each replay takes the rate of its
-    call, as eager steps do (a graph that kept its capture's rate would drift from the
-    eager run after the first replay)."""
-    tables = make_tables(4, seed=12)
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2, "eps": 1e-3}
-    runs = {}
-    for how in ("graphed", "eager"):
-        ref, model = _sharded(world_size, tables, layout, fused=fused, wrapper=_Regression)
-        dense = KeyedOptimizerWrapper(
-            dict(model.module.dense.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.05)
-        )
-        optimizer = CombinedOptimizer([model.fused_optimizer, dense])
-        schedule = torch.optim.lr_scheduler.LambdaLR(model.fused_optimizer, lambda step: 0.5**step)
-        runs[how] = (model, _train_step(model, optimizer), schedule)
-    batch_size = 14 + 3 * rank
-    g = torch.Generator().manual_seed(rank)
-    batches = [
-        (fixed_size_kjt(tables, batch_size, 90 + 10 * i + rank).to(GPU), torch.randn(batch_size, generator=g).to(GPU))
-        for i in range(6)
-    ]
-    graphed = capture(runs["graphed"][1], *batches[0], warmup=3, model=runs["graphed"][0])
-    for _ in range(3):
-        runs["eager"][1](*batches[0])
-    for kjt, target in batches[1:]:
-        loss = graphed(kjt, target).clone()
-        torch.testing.assert_close(loss, runs["eager"][1](kjt, target), rtol=1e-6, atol=1e-6)
-        for _, _, schedule in runs.values():
-            schedule.step()
-    raise_errors(runs["graphed"][0], wait=True)
-    assert runs["eager"][2].get_last_lr()[0] == pytest.approx(0.2 * 0.5**5)
-    like = ref.state_dict()
-    weights = {how: gather_unsharded_state_dict(m, like, prefix="ebc.") for how, (m, _, _) in runs.items()}
-    for name, w in weights["eager"].items():
-        torch.testing.assert_close(weights["graphed"][name].cpu(), w.cpu(), rtol=1e-6, atol=1e-6, msg=name)
-    dist.barrier()
-
-
 @pytest.mark.parametrize("world_size,layout", [(1, "tw"), (2, "rw")])
 def test_captured_training_follows_a_learning_rate_schedule(world_size, layout):
-    run_ranks(_train_on_a_schedule, world_size, layout=layout, deadline_s=DEADLINE_S)
+    run_ranks(_train, world_size, layout=layout, schedule=True, deadline_s=DEADLINE_S)
 
 
 # -------------------------------------------------------------- (d) bad batches
