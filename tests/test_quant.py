@@ -637,3 +637,22 @@ def _check_fuzzed_cases(rank, world_size):
 
 def test_cases_a_randomized_run_found():
     run_ranks(_check_fuzzed_cases, 2)
+
+
+def _check_mismatched_ranks(rank, world_size):
+    tables = make_tables(3, 71)
+    if rank == 1:
+        tables[2].num_embeddings += 1
+    with pytest.raises(ValueError, match=r"the tables differ across ranks \(table #2: rank 0: 't2': \d+ rows"):
+        shard_quant_model(
+            _Model(_quantized(tables, "int8", False, 71)), dist.group.WORLD, owners={"t0": 0, "t1": 1, "t2": 0}
+        )
+    # A plan that only rank 1 cannot take: rank 0 raises too (it waited in the check before).
+    tables = make_tables(3, 71)
+    owners = {"t0": 0, "t1": 1, "t2": 2 if rank == 1 else 1}
+    with pytest.raises(ValueError, match=r"rank 1: .*owners \{'t2': 2\} are neither ranks of a world of 2"):
+        shard_quant_model(_Model(_quantized(tables, "int8", False, 71)), dist.group.WORLD, owners=owners)
+
+
+def test_ranks_whose_models_or_plans_differ_are_refused_on_every_rank():
+    run_ranks(_check_mismatched_ranks, 2, deadline_s=120)

@@ -380,6 +380,52 @@ def test_a_dim_not_a_multiple_of_4_is_refused_on_every_rank(kind):
     run_ranks(_unaligned_dim, WORLD, kind=kind)
 
 
+#: How rank 1's model differs from rank 0's, and the table description that says so.
+MISMATCHES = {
+    "rows": ("t0", r"'t0': 31 rows"),
+    "dim": ("t1", r"'t1': \d+ rows x 24 "),
+    "pooling": ("t2", r"MEAN pooling"),
+    "owner": ("t2", r"pgas_table_wise \(fused\) on ranks \[1\]"),
+    "torchrec type": ("t2", r"table_wise \(fused\) on ranks \[0\]"),
+}
+
+
+def _mismatched(rank, world_size, what):
+    """Rank 1 builds a model that differs from rank 0's in one table (or its plan):
+    a row more, another dim or pooling, another owner, TorchRec's type instead of ours."""
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=30, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=40, feature_names=["f1"]),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=20, feature_names=["f2", "f3"]),
+    ]
+    placement = {"t0": pgas_tw(0), "t1": pgas_row_wise(), "t2": pgas_tw(0)}
+    if rank == 1:
+        if what == "rows":
+            tables[0].num_embeddings += 1
+        elif what == "dim":
+            tables[1].embedding_dim = 24
+        elif what == "pooling":
+            tables[2].pooling = PoolingType.MEAN
+        elif what == "owner":
+            placement["t2"] = pgas_tw(1)
+        else:
+            placement["t2"] = torchrec_tw(0)
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    table, described = MISMATCHES[what]
+    message = rf"the tables differ across ranks \(table #\d: rank 0: '{table}': .*; rank 1: .*{described}.*\): build"
+    with pytest.raises(ValueError, match=message):
+        shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
+
+
+@pytest.mark.parametrize("what", sorted(MISMATCHES))
+def test_ranks_whose_models_differ_are_refused_on_every_rank(what):
+    """Without the check, a requester that sees a larger table than its owner sends ids
+    past the owner's rows (the GPU lookup does not check them again; on CPU the owner
+    alone raised, its peer hung); other differences mis-sized buffers or hung."""
+    run_ranks(_mismatched, WORLD, what=what, deadline_s=120)
+
+
 def _unaligned_dense(rank, world_size):
     from torchrec.distributed.sharding_plan import data_parallel
 

@@ -32,7 +32,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
-from torchrec_pgas.sharding.base import PgasShardingMixin
+from torchrec_pgas.sharding.base import PgasShardingMixin, check_ranks_agree, plan_placement, table_description
 from torchrec_pgas.sharding.batch_checks import (
     first_batch_problem,
     input_problem,
@@ -47,11 +47,11 @@ from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, featu
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
-def _refuse_unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]) -> None:
+def _unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]) -> Optional[str]:
     """FBGEMM's batched kernels other than the dense one (``fused``, ``fused_uvm``, ...)
     take only column shards of a multiple of 4 elements, which TorchRec asserts while
     it builds the lookup, on the ranks that own the table alone (the others then wait
-    for them): refused here, on every rank, naming the tables."""
+    for them): said here, to be refused on every rank, naming the tables."""
     bad = {}
     for config in module.embedding_bag_configs():
         param = params.get(config.name)
@@ -61,12 +61,31 @@ def _refuse_unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, 
         widths = {shard.shard_sizes[1] for shard in spec.shards} if spec is not None else {config.embedding_dim}
         if any(w % 4 for w in widths):
             bad[config.name] = sorted(widths)
-    if bad:
-        raise ValueError(
-            f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's batched kernels "
-            f"other than 'dense' need a multiple of 4; use dims, or column-wise shard widths, "
-            f"that are multiples of 4, or the 'dense' compute kernel"
-        )
+    if not bad:
+        return None
+    return (
+        f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's batched kernels "
+        f"other than 'dense' need a multiple of 4; use dims, or column-wise shard widths, "
+        f"that are multiples of 4, or the 'dense' compute kernel"
+    )
+
+
+def _check_ranks_agree(
+    module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv, options: PgasOptions
+) -> None:
+    """Raises on every rank unless every rank builds this module from the same tables,
+    plan and options, and its plan is one the module can take: a rank that sees a
+    table larger than its owner does would send ids past the owner's rows (which the
+    GPU lookup does not check again), and a rank that raised alone would leave its
+    peers waiting in the next collective."""
+    pg = getattr(env, "sharding_pg", None) or env.process_group
+    if pg is None:  # a local environment (one process): nothing to agree with
+        return
+    tables = [
+        table_description(c, plan_placement(params[c.name]) if c.name in params else "not in the plan")
+        for c in module.embedding_bag_configs()
+    ]
+    check_ranks_agree(options, tables, pg, "sharding an EmbeddingBagCollection", _unaligned_columns(module, params))
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -389,7 +408,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ShardedPgasEmbeddingBagCollection:
-        _refuse_unaligned_columns(module, params)
+        _check_ranks_agree(module, params, env, self._pgas_options)
         return ShardedPgasEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

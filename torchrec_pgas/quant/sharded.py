@@ -52,7 +52,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.quant.local import LocalServing
-from torchrec_pgas.sharding.base import PgasShardingMixin, check_options_agree
+from torchrec_pgas.sharding.base import PgasShardingMixin, check_ranks_agree, table_description
 from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_problem, module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
@@ -386,8 +386,15 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         options = options or PgasOptions()
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
-        _check_plan(module, configs, owners, world_size)
-        check_options_agree(options, pg, PGAS_TABLE_WISE)
+        try:
+            _check_plan(module, configs, owners, world_size)
+            problem = None
+        except (ValueError, NotImplementedError) as e:
+            problem = str(e)
+        # Every rank takes part, its plan valid or not: a rank that raised alone would
+        # leave its peers in this collective.
+        tables = [table_description(t, f"on {owners.get(t.name)!r}") for t in configs]
+        check_ranks_agree(options, tables, pg, PGAS_TABLE_WISE, problem)
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
         device = module.device

@@ -99,7 +99,6 @@ class PgasShardingMixin:
             raise setup_failed_earlier(self.pgas_name, self._setup_error) from self._setup_error
         if self._exchange is None:
             try:
-                check_options_agree(self._options, self._pg, self.pgas_name)  # type: ignore[attr-defined]
                 self._exchange = self._make_exchange(device or self._device or torch.device("cpu"))  # type: ignore[attr-defined]
             except BaseException as e:
                 self._setup_error = e
@@ -145,17 +144,54 @@ class PgasShardingMixin:
         )
 
 
-def check_options_agree(options: Any, pg: dist.ProcessGroup, name: str) -> None:
-    """Raises on every rank if the ranks' ``PgasOptions`` differ, naming the fields:
-    buffers sized from different options would not match (one collective, once)."""
+def table_description(config: Any, placement: str) -> str:
+    """One table (``config``: TorchRec's table config) as every rank must see it, with
+    its ``placement`` said by the caller."""
+    weighted = ", weighted" if getattr(config, "is_weighted", False) else ""
+    return (
+        f"'{config.name}': {config.num_embeddings} rows x {config.embedding_dim} {config.data_type.name}, "
+        f"{config.pooling.name} pooling{weighted} of {list(config.feature_names)}, {placement}"
+    )
+
+
+def plan_placement(sharding: Any) -> str:
+    """Where a ``ParameterSharding`` puts its table: type, kernel, ranks, row blocks."""
+    shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+    rows = f" in rows {[s.shard_sizes[0] for s in shards]}" if len(shards) > 1 else ""
+    return f"{sharding.sharding_type} ({sharding.compute_kernel}) on ranks {sharding.ranks}{rows}"
+
+
+def check_ranks_agree(
+    options: PgasOptions, tables: List[str], pg: dist.ProcessGroup, name: str, problem: Optional[str] = None
+) -> None:
+    """Raises the same ``ValueError`` on every rank if the ranks' ``PgasOptions`` or
+    tables (``tables``: each described in full, in order) differ, or if any rank has a
+    ``problem`` with its plan, naming what differs: buffers sized and ids checked by
+    different views of the model would not match (a rank would read past a table its
+    peer thinks larger, or wait for ids its peer never sends). One collective, once."""
     everyone: List[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, dataclasses.asdict(options), group=pg)
+    dist.all_gather_object(everyone, (dataclasses.asdict(options), list(tables), problem), group=pg)
+    found = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(everyone) if p is not None]
+    optioned = [o for o, _, _ in everyone]
     differing = [
-        f"{field} ({', '.join(f'rank {r}: {o[field]!r}' for r, o in enumerate(everyone))})"
-        for field in everyone[0]
-        if any(o[field] != everyone[0][field] for o in everyone)
+        f"{field} ({', '.join(f'rank {r}: {o[field]!r}' for r, o in enumerate(optioned))})"
+        for field in optioned[0]
+        if any(o[field] != optioned[0][field] for o in optioned)
     ]
     if differing:
-        raise ValueError(
-            f"{name}: PgasOptions differ across ranks in {'; '.join(differing)}: pass every rank the same options"
+        found.append(f"PgasOptions differ across ranks in {'; '.join(differing)}: pass every rank the same options")
+    tabled = [t for _, t, _ in everyone]
+    if any(t != tabled[0] for t in tabled):
+        found.append(
+            f"the tables differ across ranks ({_first_difference(tabled)}): build the same model and plan on every rank"
         )
+    if found:
+        raise ValueError(f"{name}: {'; '.join(found)}")
+
+
+def _first_difference(tabled: List[List[str]]) -> str:
+    """Where the ranks' table lists first differ, each rank's table there."""
+    longest = max(len(t) for t in tabled)
+    at = next(i for i in range(longest) if len({tuple(t[i : i + 1]) for t in tabled}) > 1)
+    seen = [f"rank {r}: {t[at] if at < len(t) else f'no table #{at} ({len(t)} tables)'}" for r, t in enumerate(tabled)]
+    return f"table #{at}: {'; '.join(seen)}"
