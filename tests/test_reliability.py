@@ -387,18 +387,21 @@ MISMATCHES = {
     "pooling": ("t2", r"MEAN pooling"),
     "owner": ("t2", r"pgas_table_wise \(fused\) on ranks \[1\]"),
     "torchrec type": ("t2", r"table_wise \(fused\) on ranks \[0\]"),
+    "weighted": ("t0", r"SUM pooling, weighted of"),
 }
 
 
 def _mismatched(rank, world_size, what):
     """Rank 1 builds a model that differs from rank 0's in one table (or its plan):
-    a row more, another dim or pooling, another owner, TorchRec's type instead of ours."""
+    a row more, another dim or pooling, another owner, TorchRec's type instead of ours;
+    or per-sample weights in its module only."""
     tables = [
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=30, feature_names=["f0"]),
         EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=40, feature_names=["f1"]),
         EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=20, feature_names=["f2", "f3"]),
     ]
     placement = {"t0": pgas_tw(0), "t1": pgas_row_wise(), "t2": pgas_tw(0)}
+    weighted = False
     if rank == 1:
         if what == "rows":
             tables[0].num_embeddings += 1
@@ -408,10 +411,12 @@ def _mismatched(rank, world_size, what):
             tables[2].pooling = PoolingType.MEAN
         elif what == "owner":
             placement["t2"] = pgas_tw(1)
+        elif what == "weighted":
+            weighted = True
         else:
             placement["t2"] = torchrec_tw(0)
     torch.manual_seed(0)
-    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
     table, described = MISMATCHES[what]
     message = rf"the tables differ across ranks \(table #\d: rank 0: '{table}': .*; rank 1: .*{described}.*\): build"
     with pytest.raises(ValueError, match=message):

@@ -82,7 +82,9 @@ def _check_ranks_agree(
     if pg is None:  # a local environment (one process): nothing to agree with
         return
     tables = [
-        table_description(c, plan_placement(params[c.name]) if c.name in params else "not in the plan")
+        table_description(
+            c, module.is_weighted(), plan_placement(params[c.name]) if c.name in params else "not in the plan"
+        )
         for c in module.embedding_bag_configs()
     ]
     check_ranks_agree(options, tables, pg, "sharding an EmbeddingBagCollection", _unaligned_columns(module, params))

@@ -393,7 +393,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             problem = str(e)
         # Every rank takes part, its plan valid or not: a rank that raised alone would
         # leave its peers in this collective.
-        tables = [table_description(t, f"on {owners.get(t.name)!r}") for t in configs]
+        tables = [table_description(t, module.is_weighted(), f"on {owners.get(t.name)!r}") for t in configs]
         check_ranks_agree(options, tables, pg, PGAS_TABLE_WISE, problem)
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()

@@ -144,10 +144,10 @@ class PgasShardingMixin:
         )
 
 
-def table_description(config: Any, placement: str) -> str:
-    """One table (``config``: TorchRec's table config) as every rank must see it, with
-    its ``placement`` said by the caller."""
-    weighted = ", weighted" if getattr(config, "is_weighted", False) else ""
+def table_description(config: Any, weighted: bool, placement: str) -> str:
+    """One table (``config``: TorchRec's table config, in a module that takes per-sample
+    weights or not) as every rank must see it, with its ``placement`` said by the caller."""
+    weighted = ", weighted" if weighted else ""
     return (
         f"'{config.name}': {config.num_embeddings} rows x {config.embedding_dim} {config.data_type.name}, "
         f"{config.pooling.name} pooling{weighted} of {list(config.feature_names)}, {placement}"
