@@ -305,3 +305,51 @@ def test_pgas_row_wise_is_laid_out_like_row_wise():
 
     assert torchrec_layout("pgas_row_wise") == "row_wise"
     assert PGAS_LAYOUTS["pgas_row_wise"].abbreviation == "PRW"
+
+
+def _unshardable_by_pgas(rank, world_size, kind, via):
+    from torch import nn
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    model = nn.Module()
+    if kind == "EmbeddingCollection":
+        model.m = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="e0", embedding_dim=8, num_embeddings=20, feature_names=["f0"])]
+        )
+    else:
+        ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="e0", embedding_dim=8, num_embeddings=20, feature_names=["f0"])],
+            is_weighted=True,
+        )
+        model.m = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({"f0": 4}))
+    model.b = _ebc({"a": 64})
+    constraints = _constraints(e0=[PGAS_TABLE_WISE], a=[PGAS_TABLE_WISE])
+    if via == "register":
+        torchrec_pgas.register()
+        planner = EmbeddingShardingPlanner(topology=_topology(world_size), constraints=constraints)
+    else:
+        planner = make_planner(_topology(world_size), constraints=constraints)
+    try:
+        with pytest.raises(
+            ValueError, match=rf"table 'e0' allow only \['pgas_table_wise'\], but the table is in {kind}"
+        ):
+            planner.collective_plan(model, None, dist.GroupMember.WORLD)
+        # Another type allowed beside it: planned, the PGAS type where it can go.
+        constraints["e0"] = ParameterConstraints(sharding_types=[PGAS_TABLE_WISE, TW])
+        plan = planner.collective_plan(model, None, dist.GroupMember.WORLD)
+        assert "m" in plan.plan
+        assert plan.plan["b"]["a"].sharding_type == PGAS_TABLE_WISE
+    finally:
+        torchrec_pgas.unregister()
+
+
+@pytest.mark.parametrize("via", ["register", "make_planner"])
+@pytest.mark.parametrize("kind", ["EmbeddingCollection", "FeatureProcessedEmbeddingBagCollection"])
+def test_pgas_types_for_tables_of_other_modules_raise_on_every_rank(kind, via):
+    """Before, rank 0 raised TorchRec's "No available sharding type" in ``collective_plan``
+    and the other ranks waited for its plan."""
+    from dist_utils import run_ranks
+
+    run_ranks(_unshardable_by_pgas, 2, kind=kind, via=via, deadline_s=120)

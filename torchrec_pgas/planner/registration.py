@@ -40,7 +40,7 @@ from torchrec.distributed.planner.estimator import estimator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 
 from torchrec_pgas.compat import check_versions
-from torchrec_pgas.planner.constraints import check_constraint_sharding_types
+from torchrec_pgas.planner.constraints import check_constraint_sharding_types, check_constraints_fit_sharders
 from torchrec_pgas.planner.cost_model import pgas_perf_evaluator
 from torchrec_pgas.planner.layout import PGAS_LAYOUTS, torchrec_layout
 from torchrec_pgas.planner.sharders import with_pgas_ebc_sharder
@@ -157,9 +157,12 @@ def _apply() -> None:
         _applied.append(_Patch(module, name, original, wrap(original)))
     # collective_plan plans on rank 0 only: check on every rank first, or a bad
     # constraint raises on rank 0 while the others wait in the broadcast.
-    for cls, name in ((EmbeddingEnumerator, "enumerate"), (EmbeddingShardingPlanner, "collective_plan")):
+    for cls, name, wrap in (
+        (EmbeddingEnumerator, "enumerate", _checking_constraints),
+        (EmbeddingShardingPlanner, "collective_plan", _checking_constraints_and_sharders),
+    ):
         original = getattr(cls, name)
-        _applied.append(_Patch(cls, name, original, _checking_constraints(original)))
+        _applied.append(_Patch(cls, name, original, wrap(original)))
     for patch in _applied:
         _swap(patch, patch.original, patch.replacement)
 
@@ -231,5 +234,16 @@ def _checking_constraints(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         check_constraint_sharding_types(self._constraints)
         return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _checking_constraints_and_sharders(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, module: Any, sharders: Any = None, pg: Any = None) -> Any:
+        check_constraint_sharding_types(self._constraints)
+        given = sharding_plan.get_default_sharders() if sharders is None else sharders
+        check_constraints_fit_sharders(self._constraints, module, given, self._topology.compute_device)
+        return original(self, module, sharders, pg)
 
     return wrapper
