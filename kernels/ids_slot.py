@@ -87,6 +87,16 @@ def _align8(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """How slots are sized from the first batch (``PgasOptions.headroom`` and
+    ``max_batch_size``): ``headroom`` times it, or ``max_batch`` samples with
+    ``headroom`` times its ids per sample."""
+
+    headroom: float = 2.0
+    max_batch: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class IdsSlotLayout:
     """Byte offsets of the parts of a slot, for given capacities (computed once: every
     launch reads them)."""
@@ -100,15 +110,21 @@ class IdsSlotLayout:
         max_features: int,
         batch_size: int,
         num_ids: int,
-        headroom: float,
+        capacity: Capacity,
         min_batch: int = MIN_BATCH_CAPACITY,
         min_ids: int = MIN_IDS_CAPACITY,
     ) -> "IdsSlotLayout":
-        """Capacities ``headroom`` times the given batch, and at least ``min_batch``
-        samples and ``min_ids`` ids."""
+        """Capacities ``capacity.headroom`` times the given batch, or ``capacity.max_batch``
+        samples and ``headroom`` times the given batch's ids per sample for each where
+        that is more; at least ``min_batch`` samples and ``min_ids`` ids."""
+        headroom, samples_headroom = capacity.headroom, capacity.headroom
+        if capacity.max_batch is not None and capacity.max_batch > batch_size * headroom:
+            per_sample = num_ids / batch_size if batch_size else 0.0
+            batch_size, num_ids = capacity.max_batch, max(num_ids, math.ceil(per_sample * capacity.max_batch))
+            samples_headroom = 1.0  # the largest batch is known: only its ids per sample vary
         return IdsSlotLayout(
             max_features=max_features,
-            batch_capacity=max(math.ceil(batch_size * headroom), min_batch, 1),
+            batch_capacity=max(math.ceil(batch_size * samples_headroom), min_batch, 1),
             ids_capacity=max(math.ceil(num_ids * headroom), min_ids, 1),
         )
 
@@ -174,7 +190,8 @@ def describe(source: int, header: Header, features: Sequence, layout: Optional[I
             f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
             f"the buffers are sized at the first batch times PgasOptions.headroom "
             f"(at least {MIN_BATCH_CAPACITY} samples and {MIN_IDS_CAPACITY} ids); "
-            f"raise headroom, or make the first batch the largest"
+            f"set PgasOptions.max_batch_size to the largest batch (or raise headroom), or make "
+            f"the first batch the largest"
         )
     if header.status == Status.BAD_LENGTHS and d[0] == -3:
         return f"rank {source} sent a KJT whose values, lengths or weights are not 1-D ({d[1]} dimensions)"

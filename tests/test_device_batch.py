@@ -4,7 +4,7 @@ read; only a text read between two identical headers counts."""
 
 import torch
 
-from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
+from torchrec_pgas.kernels.ids_slot import MIN_IDS_CAPACITY, Capacity, Header, IdsSlotLayout, Status
 from torchrec_pgas.sharding import device_batch
 from torchrec_pgas.sharding.device_batch import failure_texts
 
@@ -22,14 +22,14 @@ def _step(layout, message, seed):
 
 
 def test_a_failed_slot_gives_its_message_and_a_good_one_none():
-    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
     for seed, message in enumerate(["rank 1 could not send its batch: RuntimeError: boom", "é ü"]):
         slots, headers = _step(layout, message, seed)
         assert failure_texts(headers, slots.view(-1), layout) == ["", message]
 
 
 def test_a_message_overwritten_while_read_is_not_shown(monkeypatch):
-    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
     slots, headers = _step(layout, "rank 1 could not send its batch: RuntimeError: boom", 0)
     read = IdsSlotLayout.text
 
@@ -44,7 +44,7 @@ def test_a_message_overwritten_while_read_is_not_shown(monkeypatch):
 
 
 def test_a_message_overwritten_before_it_is_read_is_not_shown():
-    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
     slots, headers = _step(layout, "rank 1 could not send its batch: RuntimeError: boom", 1)
     slots[1, : layout.lengths_offset].view(torch.int64)[:] = Header(Status.OK, 2, 2, False, ()).encode()
     assert failure_texts(headers, slots.view(-1), layout) == ["", device_batch._OVERWRITTEN]
@@ -68,7 +68,7 @@ def test_lookup_groups_as_tensors_hold_the_kjts_ids_in_each_streams_own_tensors(
 
     monkeypatch.setattr(device_batch, "gather_ids", _gather_oracle)
     world, features = 2, [TwFeature(f"f{i}", f"t{i}", 100) for i in range(3)]
-    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
     bags = world * layout.batch_capacity
     g = torch.Generator().manual_seed(3)
     for weighted in (False, True):
@@ -99,7 +99,7 @@ def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     """A send's narrowed lengths (``StreamScratch.narrowed``): the stream's tensor,
     the same for every batch that fits the capacity, another stream's apart; a batch
     over capacity gets its own, and the stream's keeps its address (a graph may hold it)."""
-    layout = IdsSlotLayout.for_batch(3, 4, 64, 1.0)
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
     runs = torch.zeros(2, 1, 3, dtype=torch.int64)
     scratch = device_batch.StreamScratch(runs, 3, layout, 2, torch.device("cpu"), input_features=3)
     a = scratch.narrowed(7, 12)
@@ -111,3 +111,16 @@ def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     big = scratch.narrowed(7, 3 * layout.batch_capacity + 1)  # over capacity (its step raises)
     assert big.numel() == 3 * layout.batch_capacity + 1
     assert scratch.narrowed(7, 12).data_ptr() == a.data_ptr(), "the stream's tensor kept its address"
+
+
+def test_a_known_largest_batch_sizes_the_slots_for_it():
+    """``max_batch_size`` gives the slots that many samples and ``headroom`` times the
+    first batch's ids per sample for each; below ``headroom`` times the first batch, or
+    with no first batch, it changes nothing but the samples."""
+    layout = IdsSlotLayout.for_batch(3, 100, 1000, Capacity(2.0, max_batch=1000))
+    assert (layout.batch_capacity, layout.ids_capacity) == (1000, 20000)
+    assert IdsSlotLayout.for_batch(3, 100, 1000, Capacity(2.0, max_batch=150)) == IdsSlotLayout.for_batch(
+        3, 100, 1000, Capacity(2.0)
+    )
+    layout = IdsSlotLayout.for_batch(3, 0, 0, Capacity(2.0, max_batch=300))
+    assert (layout.batch_capacity, layout.ids_capacity) == (300, MIN_IDS_CAPACITY)

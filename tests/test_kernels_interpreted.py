@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status  # noqa: E402
+from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Capacity, Header, IdsSlotLayout, Status  # noqa: E402
 from torchrec_pgas.kernels.put_signal import copy_bytes  # noqa: E402
 from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, StepRef  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_source_slots_match_the_oracle(k, seed, problem):
     weighted = bool(seed % 2)
     weights = torch.rand(values.numel(), generator=g) if weighted else None
     most = max([1] + [len(fs) for fs in routed])
-    layout = IdsSlotLayout.for_batch(most, B, values.numel(), 1.5, min_batch=1, min_ids=1)
+    layout = IdsSlotLayout.for_batch(most, B, values.numel(), Capacity(1.5), min_batch=1, min_ids=1)
     lengths, values, offsets = _spoiled(rnd, problem, rows, lengths, values)
     if problem == "over":
         layout = IdsSlotLayout(
@@ -281,7 +281,7 @@ def test_local_step_keeps_the_lookup_in_bounds_and_reports_as_a_slot_header(k, s
         if seed % 2:
             values = values.to(torch.int32)
         weighted = bool(seed % 2)
-        layout = IdsSlotLayout.for_batch(F, B, values.numel(), 2.0)  # never over capacity
+        layout = IdsSlotLayout.for_batch(F, B, values.numel(), Capacity(2.0))  # never over capacity
         expected = _expected(problem, lengths, values.long(), rows, [list(range(F))], B, layout, weighted)[0]
         is_bad = expected[0] != Status.OK
         out = torch.randn(B, 8, generator=g)
@@ -443,7 +443,7 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
     routed_lengths = torch.tensor(routed_lengths, dtype=torch.int32)
     routed_values = torch.cat(routed_values)
     routed_offsets = _offsets(routed_lengths)
-    layout = IdsSlotLayout.for_batch(F, B, values.numel(), 1.5, min_batch=1, min_ids=1)
+    layout = IdsSlotLayout.for_batch(F, B, values.numel(), Capacity(1.5), min_batch=1, min_ids=1)
     verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
     headers = torch.zeros(W, HEADER_WORDS, dtype=torch.int64)
     chunks = torch.zeros(W, 4, 3, dtype=torch.int64)

@@ -98,6 +98,7 @@ def _fake_address(q, local):
 def _exchange(transport, world, dims):
     """A table-wise ``DeviceTwExchange`` whose rank ``r`` owns one table of ``dims[r]``
     columns (none if 0), set up for a first batch of 5 samples."""
+    from torchrec_pgas.kernels.ids_slot import Capacity
     from torchrec_pgas.sharding.tw_base import TwFeature
     from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
 
@@ -112,7 +113,7 @@ def _exchange(transport, world, dims):
         features_per_rank=features,
         dim_sum_per_rank=dims,
         out_dtype=torch.float32,
-        headroom=2.0,
+        capacity=Capacity(2.0),
         name="pgas_table_wise",
     )
     features_total = sum(1 for f in features if f)

@@ -24,7 +24,7 @@ from torchrec import KeyedJaggedTensor, PoolingType
 from torchrec.distributed.embeddingbag import _create_mean_pooling_divisor
 
 from torchrec_pgas.kernels.ids_header import runs_of
-from torchrec_pgas.kernels.ids_slot import Status
+from torchrec_pgas.kernels.ids_slot import Capacity, Status
 from torchrec_pgas.sharding.device_routing import MAX_RUNS, RowBlockIds
 from torchrec_pgas.sharding.mean_after_sum import MeanAfterSum
 from torchrec_pgas.sharding.tw_base import TwFeature
@@ -125,7 +125,7 @@ def _exchange(case: Case, weighted: bool, rank: int = 0):
         lookup_reads_only_bags=True,
         fused_lookup=True,
         out_dtype=torch.float32,
-        headroom=1.0,
+        capacity=Capacity(1.0),
         name="pgas_row_wise",
     )
 

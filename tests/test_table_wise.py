@@ -228,6 +228,31 @@ def test_bad_input_raises_on_every_rank_and_next_batch_is_served():
     run_ranks(_bad_input, 2)
 
 
+def _evaluation_batches(rank, world_size):
+    """Training at a small batch, then evaluation at a batch past its capacity, as
+    TorchRec users run them: served, and equal to ``table_wise``, where the options
+    give the largest batch; refused naming the option where they do not."""
+    tables = make_tables(3, seed=6)
+    for max_batch_size in (600, None):
+        options = PgasOptions(timeout_s=20, max_batch_size=max_batch_size)
+        _, pgas, tw = _models(world_size, tables, [0, 1, 1], False, seed=6, options=options)
+        for step in range(2):  # the first batch sizes the buffers: 128 samples (the least)
+            kjt = random_kjt(tables, 5 + rank, seed=10 * step + rank)
+            assert_same_kt(pgas(kjt), tw(kjt), exact=True)
+        with torch.no_grad():
+            for step in range(2):
+                kjt = random_kjt(tables, 600 - 7 * rank * step, seed=100 + 10 * step + rank)
+                if max_batch_size is None:
+                    with pytest.raises(PgasInputError, match=r"over capacity.*PgasOptions\.max_batch_size"):
+                        pgas(kjt)
+                else:
+                    assert_same_kt(pgas(kjt), tw(kjt), exact=True)
+
+
+def test_evaluation_batches_larger_than_training_ones():
+    run_ranks(_evaluation_batches, 2)
+
+
 def _planner(rank, world_size):
     from dist_utils import Wrapper
     from torchrec.distributed.model_parallel import DistributedModelParallel

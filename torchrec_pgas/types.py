@@ -1,7 +1,7 @@
 """Names and options shared by every part of torchrec_pgas."""
 
 from dataclasses import dataclass
-from typing import Literal, Tuple, get_args
+from typing import Literal, Optional, Tuple, get_args
 
 #: Table-wise sharding whose input and output distributions are one-sided puts.
 PGAS_TABLE_WISE: str = "pgas_table_wise"
@@ -27,10 +27,15 @@ class PgasOptions:
         timeout_s: how long any wait for a peer's data or signal may take before it
             raises ``PgasTimeoutError`` naming the rank, the peer and the step.
         headroom: symmetric buffers are sized at the first batch as ``headroom`` times
-            the largest batch (samples and ids) seen on any rank then; a first batch
-            with no samples (no ids) on every rank sizes them at 64 samples (1024 ids)
-            instead, so an empty warm-up batch does not size them at nothing for good.
-            A bigger batch later is refused on every rank, naming this option.
+            the largest batch (samples and ids) seen on any rank then, and at least
+            128 samples and 8192 ids per source, so that a small or empty warm-up
+            batch does not size them at nothing for good. A bigger batch later is
+            refused on every rank, naming this option.
+        max_batch_size: the most samples a rank's batch will have, where a later batch
+            may outgrow the first one times ``headroom`` (an evaluation batch larger
+            than the training batch): the buffers then take batches of this size, with
+            ``headroom`` times the first batch's ids per sample. None: the first batch
+            sets the size alone.
         transport: ``"auto"`` picks NVSHMEM for CUDA devices and the host transport
             for CPU devices.
         remote_path: how the NVSHMEM transport writes rows, gradients and signals into
@@ -57,6 +62,7 @@ class PgasOptions:
 
     timeout_s: float = 120.0
     headroom: float = 2.0
+    max_batch_size: Optional[int] = None
     transport: TransportKind = "auto"
     remote_path: RemotePath = "auto"
     sparse_update: SparseUpdate = "fused"
@@ -66,3 +72,5 @@ class PgasOptions:
             value = getattr(self, field)
             if value not in get_args(allowed):
                 raise ValueError(f"PgasOptions.{field} must be one of {list(get_args(allowed))}, got {value!r}")
+        if self.max_batch_size is not None and (not isinstance(self.max_batch_size, int) or self.max_batch_size < 1):
+            raise ValueError(f"PgasOptions.max_batch_size must be a positive int or None, got {self.max_batch_size!r}")

@@ -50,6 +50,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_pgas.kernels.ids_slot import Capacity
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.quant.local import LocalServing
 from torchrec_pgas.sharding.base import PgasShardingMixin, check_ranks_agree, table_description
@@ -431,7 +432,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 features_per_rank=features_per_rank,
                 dim_sum_per_rank=[sum(t.embedding_dim * t.num_features() for t in ts) for ts in per_rank],
                 out_dtype=self._out_dtype,
-                headroom=options.headroom,
+                capacity=Capacity(options.headroom, options.max_batch_size),
                 name=PGAS_TABLE_WISE,
             )
             mine_tw, self._pool_keys["local"] = _distinct_features(copy.deepcopy(per_rank[rank]))
@@ -461,7 +462,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 # FBGEMM's int-N kernels divide a weighted bag by its number of ids.
                 mean_by_count=True,
                 out_dtype=self._out_dtype,
-                headroom=options.headroom,
+                capacity=Capacity(options.headroom, options.max_batch_size),
                 name=PGAS_ROW_WISE,
             )
             block_weights = {

@@ -14,6 +14,7 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
+from torchrec_pgas.kernels.ids_slot import Capacity
 from torchrec_pgas.sharding.base import PgasShardingMixin, lookup_options
 from torchrec_pgas.sharding.rw_exchange import RwExchange
 from torchrec_pgas.sharding.tw_base import TwFeature
@@ -97,7 +98,7 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             dims=[t.embedding_dim for t in mine for _ in t.feature_names],
             mean=[t.pooling == PoolingType.MEAN for t in mine for _ in t.feature_names],
             out_dtype=self._out_dtype,
-            headroom=self._options.headroom,
+            capacity=Capacity(self._options.headroom, self._options.max_batch_size),
             name=PGAS_ROW_WISE,
         )
         if transport.device.type != "cuda":

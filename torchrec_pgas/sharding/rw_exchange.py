@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from torchrec_pgas.kernels.ids_slot import Capacity
 from torchrec_pgas.sharding.host_routing import PartialSumOutput, RowBlockHostIds
 from torchrec_pgas.sharding.mean_after_sum import MeanAfterSum
 from torchrec_pgas.sharding.tw_base import TwFeature
@@ -41,7 +42,7 @@ class RwExchange(TwExchange):
         local_rows: per rank, the rows of each feature's table that rank holds.
         dims: each feature's embedding dim, in order.
         mean: whether each feature's table pools by mean.
-        out_dtype, headroom, name: as for ``BaseTwExchange``.
+        out_dtype, capacity, name: as for ``BaseTwExchange``.
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class RwExchange(TwExchange):
         dims: Sequence[int],
         mean: Sequence[bool],
         out_dtype: torch.dtype,
-        headroom: float,
+        capacity: Capacity,
         name: str,
         mean_by_count: bool = False,
     ) -> None:
@@ -67,7 +68,7 @@ class RwExchange(TwExchange):
             ],
             dim_sum_per_rank=[width] * world,
             out_dtype=out_dtype,
-            headroom=headroom,
+            capacity=capacity,
             name=name,
             input_features=features,
             out_dim=width,  # every owner covers every column

@@ -13,6 +13,7 @@ from typing import Any, List
 import torch
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
+from torchrec_pgas.kernels.ids_slot import Capacity
 from torchrec_pgas.sharding.base import PgasShardingMixin, lookup_options
 from torchrec_pgas.sharding.tw_base import TwFeature
 from torchrec_pgas.sharding.tw_exchange import TwExchange
@@ -45,7 +46,7 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             features_per_rank=_features_per_rank(self),
             dim_sum_per_rank=self._dim_sum_per_rank(),
             out_dtype=self._out_dtype,
-            headroom=self._options.headroom,
+            capacity=Capacity(self._options.headroom, self._options.max_batch_size),
             name=PGAS_TABLE_WISE,
         )
         if transport.device.type != "cuda":

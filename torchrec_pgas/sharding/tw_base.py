@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 
 import torch
 
-from torchrec_pgas.kernels.ids_slot import BadDtype, Header, IdsSlotLayout, Status, describe
+from torchrec_pgas.kernels.ids_slot import BadDtype, Capacity, Header, IdsSlotLayout, Status, describe
 from torchrec_pgas.transport import PgasError, Transport
 from torchrec_pgas.transport.mailbox import DEFAULT_DEPTH
 
@@ -44,7 +44,7 @@ class BaseTwExchange:
         features_per_rank: the features each rank owns, in the sharding's order.
         dim_sum_per_rank: the total embedding dim of the tables each rank owns.
         out_dtype: dtype of the pooled embeddings (the lookup's output dtype).
-        headroom: capacity factor over the first batch (see ``PgasOptions``).
+        capacity: how the slots are sized from the first batch (``PgasOptions``).
         name: prefix of error messages.
         input_features: the features of the batches the input dist is given, with the
             rows their ids index (default: ``features_per_rank`` flattened).
@@ -68,7 +68,7 @@ class BaseTwExchange:
         features_per_rank: Sequence[Sequence[TwFeature]],
         dim_sum_per_rank: Sequence[int],
         out_dtype: torch.dtype,
-        headroom: float,
+        capacity: Capacity,
         name: str,
         input_features: Optional[Sequence[TwFeature]] = None,
         out_dim: Optional[int] = None,
@@ -90,7 +90,7 @@ class BaseTwExchange:
         self._mean = mean
         self._out_dtype = out_dtype
         self._elem = torch.empty((), dtype=out_dtype).element_size()
-        self._headroom = headroom
+        self._capacity = capacity
         self._name = name
         self._owners_with_tables = [r for r, d in enumerate(self._dims) if d > 0]
         self._layout: Optional[IdsSlotLayout] = None

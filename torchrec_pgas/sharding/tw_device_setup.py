@@ -93,7 +93,7 @@ class DeviceTwSetup(BaseTwExchange):
         routed = [self._routing.routed_features(w, self._input_pos) for w in range(world)]
         self._runs = feature_runs(routed, self._dev)
         batch, ids = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
-        self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._headroom)
+        self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._capacity)
         out = self._output
         sizes = BufferSizes(
             layout.nbytes, out.blocks, layout.batch_capacity, out.dim, max(self._dims), self._dims[me], self._out_dtype

@@ -73,7 +73,7 @@ class TwExchange(BaseTwExchange):
         sizes = torch.tensor([batch_size, max_ids], dtype=torch.int64)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
         max_features = max(len(f) for f in self._features_per_rank)
-        layout = IdsSlotLayout.for_batch(max_features, int(sizes[0]), int(sizes[1]), self._headroom)
+        layout = IdsSlotLayout.for_batch(max_features, int(sizes[0]), int(sizes[1]), self._capacity)
         elem = self._elem
         rows = layout.batch_capacity
         self._ids = Mailbox(self._t, layout.nbytes, True, f"{self._name} ids")
