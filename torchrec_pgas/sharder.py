@@ -66,7 +66,8 @@ def _unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, Paramet
     return (
         f"table(s) {sorted(bad)} would have shards of {bad} columns: FBGEMM's batched kernels "
         f"other than 'dense' need a multiple of 4; use dims, or column-wise shard widths, "
-        f"that are multiples of 4, or the 'dense' compute kernel"
+        f"that are multiples of 4, or the 'dense' compute kernel (a hand-written plan's "
+        f"compute_kernel='dense': TorchRec's planner does not offer it)"
     )
 
 
