@@ -95,9 +95,10 @@ def _fake_address(q, local):
     return (q + 1) * _FAKE_PEER + local % _FAKE_PEER
 
 
-def _exchange(transport, world, dims):
+def _exchange(transport, world, dims, capacity=None):
     """A table-wise ``DeviceTwExchange`` whose rank ``r`` owns one table of ``dims[r]``
-    columns (none if 0), set up for a first batch of 5 samples."""
+    columns (none if 0), set up for a first batch of 5 samples (slots sized by
+    ``capacity``, default twice the batch)."""
     from torchrec_pgas.kernels.ids_slot import Capacity
     from torchrec_pgas.sharding.tw_base import TwFeature
     from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange
@@ -113,7 +114,7 @@ def _exchange(transport, world, dims):
         features_per_rank=features,
         dim_sum_per_rank=dims,
         out_dtype=torch.float32,
-        capacity=Capacity(2.0),
+        capacity=capacity or Capacity(2.0),
         name="pgas_table_wise",
     )
     features_total = sum(1 for f in features if f)
@@ -459,3 +460,23 @@ def _records_between_steps(rank, world_size):
 
 def test_step_records_raise_bad_steps_and_pass_good_ones():
     run_ranks(_records_between_steps, 2)
+
+
+def _too_large(rank, world_size):
+    from torchrec_pgas.kernels.ids_slot import Capacity
+    from torchrec_pgas.sharding.tw_device_setup import MAX_BATCH_CAPACITY
+
+    _fake_nvshmem(rank, unmapped=[])
+    transport = _transport("auto")
+    with pytest.raises(
+        ValueError, match=rf"slots of 3000000 samples .* more than .* kernels take \({MAX_BATCH_CAPACITY}\)"
+    ):
+        _exchange(transport, world_size, [4, 4], Capacity(2.0, max_batch=3_000_000))
+    exchange = _exchange(transport, world_size, [4, 4], Capacity(2.0, max_batch=1000))
+    assert exchange._layout.batch_capacity == 1000
+
+
+def test_slots_past_what_the_kernels_take_are_refused_on_every_rank():
+    """``rows_put`` and ``grads_put`` launch a program per 32 samples of a slot on a grid
+    axis CUDA caps at 65535: a larger slot would fail to launch at the first step."""
+    run_ranks(_too_large, 2)

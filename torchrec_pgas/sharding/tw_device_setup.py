@@ -11,6 +11,7 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
+from torchrec_pgas.kernels import grads_put, rows_put
 from torchrec_pgas.kernels.ids_header import feature_runs
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Header, IdsSlotLayout, Status
 from torchrec_pgas.kernels.lookup_put import done_counters
@@ -31,6 +32,10 @@ from torchrec_pgas.sharding.tw_base import BaseTwExchange
 from torchrec_pgas.transport.base import PgasError
 from torchrec_pgas.transport.device_buffers import BufferSizes, DeviceBuffers
 from torchrec_pgas.transport.nvshmem import NvshmemTransport
+
+#: The most samples per source a GPU slot takes: ``rows_put`` and ``grads_put`` launch a
+#: program per ``BLOCK_B`` samples on a grid axis that CUDA caps at 65535 programs.
+MAX_BATCH_CAPACITY = 65535 * min(rows_put.BLOCK_B, grads_put.BLOCK_B)
 
 
 class DeviceTwSetup(BaseTwExchange):
@@ -94,6 +99,12 @@ class DeviceTwSetup(BaseTwExchange):
         self._runs = feature_runs(routed, self._dev)
         batch, ids = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
         self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._capacity)
+        if layout.batch_capacity > MAX_BATCH_CAPACITY:  # the same on every rank: sizes were all-reduced
+            raise ValueError(
+                f"{self._name}: slots of {layout.batch_capacity} samples per source (the first batch's "
+                f"{batch} or PgasOptions.max_batch_size, times headroom) are more than the GPU exchange's "
+                f"kernels take ({MAX_BATCH_CAPACITY}): lower headroom or max_batch_size, or split the batch"
+            )
         out = self._output
         sizes = BufferSizes(
             layout.nbytes, out.blocks, layout.batch_capacity, out.dim, max(self._dims), self._dims[me], self._out_dtype
