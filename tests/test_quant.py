@@ -652,6 +652,16 @@ def _check_mismatched_ranks(rank, world_size):
     owners = {"t0": 0, "t1": 1, "t2": 2 if rank == 1 else 1}
     with pytest.raises(ValueError, match=r"rank 1: .*owners \{'t2': 2\} are neither ranks of a world of 2"):
         shard_quant_model(_Model(_quantized(tables, "int8", False, 71)), dist.group.WORLD, owners=owners)
+    # A plan whose entry only rank 1 cannot serve, and one that only rank 1 lacks.
+    params = {t.name: ParameterSharding("pgas_table_wise", "quant", ranks=[r]) for t, r in zip(tables, [0, 1, 0])}
+    if rank == 1:
+        params["t2"] = ParameterSharding("table_wise", "quant", ranks=[0])
+    plan = ShardingPlan({"ebc": EmbeddingModuleShardingPlan(params)})
+    with pytest.raises(ValueError, match=r"rank 1: module 'ebc': .*serves only .* not \{'t2': 'table_wise'\}"):
+        shard_quant_model(_Model(_quantized(tables, "int8", False, 71)), dist.group.WORLD, plan=plan)
+    plan = ShardingPlan({"ebc" if rank == 0 else "other": EmbeddingModuleShardingPlan(params)})
+    with pytest.raises(ValueError, match=r"rank 1: module 'ebc': the plan has no entry for this module"):
+        shard_quant_model(_Model(_quantized(tables, "int8", False, 71)), dist.group.WORLD, plan=plan)
 
 
 def test_ranks_whose_models_or_plans_differ_are_refused_on_every_rank():

@@ -374,6 +374,9 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
     raises; on GPUs nothing waits for the device, as on the float path: the bad step's
     output is NaN on every rank, and every rank raises at the start of a later
     forward, or at ``torchrec_pgas.graphs.raise_errors(model, wait=True)``.
+
+    ``plan_problem``: what the caller found wrong with this rank's plan (no owners
+    then): refused on every rank, with the check that the ranks' tables agree.
     """
 
     def __init__(
@@ -382,14 +385,17 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         owners: Mapping[str, Placement],
         pg: dist.ProcessGroup,
         options: Optional[PgasOptions] = None,
+        *,
+        plan_problem: Optional[str] = None,
     ) -> None:
         super().__init__()
         options = options or PgasOptions()
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
+        problem = plan_problem
         try:
-            _check_plan(module, configs, owners, world_size)
-            problem = None
+            if problem is None:
+                _check_plan(module, configs, owners, world_size)
         except (ValueError, NotImplementedError) as e:
             problem = str(e)
         # Every rank takes part, its plan valid or not: a rank that raised alone would
@@ -748,12 +754,27 @@ class PgasQuantEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder)
     ) -> PgasQuantEmbeddingBagCollection:
         if not isinstance(env, ShardingEnv) or env.process_group is None:
             raise ValueError(f"{PGAS_TABLE_WISE}: a ShardingEnv with the process group of every rank is needed")
-        owners = _plan_owners(params, module.embedding_bag_configs(), env.world_size)
-        return PgasQuantEmbeddingBagCollection(module, owners, env.process_group, self._pgas_options)
+        owners, problem = _plan_placement(params, module.embedding_bag_configs(), env.world_size)
+        return PgasQuantEmbeddingBagCollection(
+            module, owners, env.process_group, self._pgas_options, plan_problem=problem
+        )
 
     @property
     def module_type(self) -> Type[QuantEmbeddingBagCollection]:
         return QuantEmbeddingBagCollection
+
+
+def _plan_placement(
+    params: Optional[Mapping[str, ParameterSharding]], configs: Sequence[EmbeddingBagConfig], world_size: int
+) -> Tuple[Dict[str, Placement], Optional[str]]:
+    """``_plan_owners``, or no owners and what is wrong with the plan (``params`` None:
+    the plan has no entry for the module), for the module to refuse on every rank."""
+    if params is None:
+        return {}, "the plan has no entry for this module"
+    try:
+        return _plan_owners(params, configs, world_size), None
+    except ValueError as e:
+        return {}, str(e)
 
 
 def _plan_owners(
@@ -954,16 +975,18 @@ def shard_quant_model(
     world_size = dist.get_world_size(pg)
     for name, m in targets:
         names = {t.name for t in m.embedding_bag_configs()}
+        problem = None
         if plan is not None:
             params = plan.get_plan_for_module(name)
-            if params is None:
-                raise ValueError(f"shard_quant_model: the plan has no entry for module {name!r}")
-            placed = _plan_owners(params, m.embedding_bag_configs(), world_size)  # type: ignore[arg-type]
+            placed, problem = _plan_placement(params, m.embedding_bag_configs(), world_size)  # type: ignore[arg-type]
+            problem = problem and f"module {name!r}: {problem}"
         elif owners is not None:
             placed = {t: r for t, r in owners.items() if t in names}
         else:
             placed = balanced_owners(m.embedding_bag_configs(), world_size)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PgasQuantEmbeddingBagCollection(m, placed, pg, options))
+        # Every rank builds the module, its plan valid or not: it refuses a plan that
+        # any rank could not take on every rank, in one collective.
+        setattr(parent, attr, PgasQuantEmbeddingBagCollection(m, placed, pg, options, plan_problem=problem))
     return model
