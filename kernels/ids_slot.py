@@ -111,16 +111,20 @@ class IdsSlotLayout:
         batch_size: int,
         num_ids: int,
         capacity: Capacity,
+        ids_per_sample: Optional[int] = None,
         min_batch: int = MIN_BATCH_CAPACITY,
         min_ids: int = MIN_IDS_CAPACITY,
     ) -> "IdsSlotLayout":
-        """Capacities ``capacity.headroom`` times the given batch, or ``capacity.max_batch``
-        samples and ``headroom`` times the given batch's ids per sample for each where
-        that is more; at least ``min_batch`` samples and ``min_ids`` ids."""
+        """Capacities ``capacity.headroom`` times the given batch (its largest size and
+        id count), or ``capacity.max_batch`` samples and ``headroom`` times
+        ``ids_per_sample`` ids for each (default ``num_ids / batch_size``; give the
+        largest of the ranks' own ratios: the largest batch and id count may be two
+        ranks') where that is more; at least ``min_batch`` samples and ``min_ids`` ids."""
         headroom, samples_headroom = capacity.headroom, capacity.headroom
         if capacity.max_batch is not None and capacity.max_batch > batch_size * headroom:
-            per_sample = num_ids / batch_size if batch_size else 0.0
-            batch_size, num_ids = capacity.max_batch, max(num_ids, math.ceil(per_sample * capacity.max_batch))
+            if ids_per_sample is None:
+                ids_per_sample = math.ceil(num_ids / batch_size) if batch_size else 0
+            batch_size, num_ids = capacity.max_batch, max(num_ids, ids_per_sample * capacity.max_batch)
             samples_headroom = 1.0  # the largest batch is known: only its ids per sample vary
         return IdsSlotLayout(
             max_features=max_features,
@@ -185,13 +189,17 @@ def describe(source: int, header: Header, features: Sequence, layout: Optional[I
         )
     if header.status == Status.OVER_CAPACITY:
         assert layout is not None, "an over-capacity batch is reported by a sharding with slots"
+        said = f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is over capacity"
+        if d[0] > layout.batch_capacity:
+            return (
+                f"{said}: the slots take {layout.batch_capacity} samples (the first batch's times "
+                f"PgasOptions.headroom, at least {MIN_BATCH_CAPACITY}): set PgasOptions.max_batch_size to "
+                f"the largest batch, or make the first batch the largest"
+            )
         return (
-            f"rank {source}'s batch ({d[0]} samples, up to {d[1]} ids for one rank) is "
-            f"over capacity ({layout.batch_capacity} samples, {layout.ids_capacity} ids): "
-            f"the buffers are sized at the first batch times PgasOptions.headroom "
-            f"(at least {MIN_BATCH_CAPACITY} samples and {MIN_IDS_CAPACITY} ids); "
-            f"set PgasOptions.max_batch_size to the largest batch (or raise headroom), or make "
-            f"the first batch the largest"
+            f"{said}: the slots take {layout.ids_capacity} ids (PgasOptions.headroom times the first "
+            f"batch's ids, or its ids per sample for max_batch_size samples; at least "
+            f"{MIN_IDS_CAPACITY}): raise headroom, or make the first batch the one with the most ids"
         )
     if header.status == Status.BAD_LENGTHS and d[0] == -3:
         return f"rank {source} sent a KJT whose values, lengths or weights are not 1-D ({d[1]} dimensions)"

@@ -119,8 +119,22 @@ def test_a_known_largest_batch_sizes_the_slots_for_it():
     with no first batch, it changes nothing but the samples."""
     layout = IdsSlotLayout.for_batch(3, 100, 1000, Capacity(2.0, max_batch=1000))
     assert (layout.batch_capacity, layout.ids_capacity) == (1000, 20000)
+    # The largest batch (100 samples, 1 id each) and id count (10 samples of 100 ids)
+    # were two ranks': the largest ratio of one rank's sizes is given.
+    layout = IdsSlotLayout.for_batch(3, 100, 1000, Capacity(2.0, max_batch=1000), ids_per_sample=100)
+    assert (layout.batch_capacity, layout.ids_capacity) == (1000, 200000)
     assert IdsSlotLayout.for_batch(3, 100, 1000, Capacity(2.0, max_batch=150)) == IdsSlotLayout.for_batch(
         3, 100, 1000, Capacity(2.0)
     )
     layout = IdsSlotLayout.for_batch(3, 0, 0, Capacity(2.0, max_batch=300))
     assert (layout.batch_capacity, layout.ids_capacity) == (300, MIN_IDS_CAPACITY)
+
+
+def test_an_over_capacity_message_names_the_limit_passed_and_its_setting():
+    from torchrec_pgas.kernels.ids_slot import describe
+
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))  # the least: 128 samples, 8192 ids
+    samples = describe(1, Header(Status.OVER_CAPACITY, 200, 0, False, (200, 10, 0)), [], layout)
+    assert "the slots take 128 samples" in samples and "max_batch_size" in samples
+    ids = describe(0, Header(Status.OVER_CAPACITY, 100, 0, False, (100, 9000, 0)), [], layout)
+    assert "the slots take 8192 ids" in ids and "raise headroom" in ids and "samples (" not in ids

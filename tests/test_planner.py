@@ -341,6 +341,9 @@ def _unshardable_by_pgas(rank, world_size, kind, via):
         plan = planner.collective_plan(model, None, dist.GroupMember.WORLD)
         assert "m" in plan.plan
         assert plan.plan["b"]["a"].sharding_type == PGAS_TABLE_WISE
+        # TorchRec's own EBC sharder given: the message says to give ours.
+        with pytest.raises(ValueError, match=r"table 'a' .* shard it with PgasEmbeddingBagCollectionSharder"):
+            planner.collective_plan(model.b, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     finally:
         torchrec_pgas.unregister()
 

@@ -32,6 +32,12 @@ def test_remote_path_takes_auto_or_put_only():
         PgasOptions(remote_path="puts")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"sparse_update must be one of \['fused', 'fbgemm'\], got 'FBGEMM'"):
         PgasOptions(sparse_update="FBGEMM")  # type: ignore[arg-type]
+    for headroom in (0.5, 0, -1, True, "2"):
+        with pytest.raises(ValueError, match=r"headroom must be a number of at least 1"):
+            PgasOptions(headroom=headroom)  # type: ignore[arg-type]
+    for size in (0, -5, True, 2.5):
+        with pytest.raises(ValueError, match=r"max_batch_size must be a positive int or None"):
+            PgasOptions(max_batch_size=size)  # type: ignore[arg-type]
 
 
 def _fake_nvshmem(rank, unmapped, arrives=True):

@@ -204,7 +204,9 @@ def _bad_input(rank, world_size):
     with pytest.raises(PgasInputError, match="rank 0 sent id -3 for feature 'f0'"):
         pgas(negative)
     big = random_kjt(tables, 4 if rank == 0 else 200, seed=rank)  # past the least capacity
-    with pytest.raises(PgasInputError, match=r"rank 1's batch \(200 samples.* over capacity \(128 samples"):
+    with pytest.raises(
+        PgasInputError, match=r"rank 1.s batch \(200 samples.* over capacity: the slots take 128 samples"
+    ):
         pgas(big)
     assert_same_kt(pgas(good), tw(good), exact=True)
     # Owners in feature order, then out of it (TorchRec permutes the KJT, trusting its
@@ -251,6 +253,33 @@ def _evaluation_batches(rank, world_size):
 
 def test_evaluation_batches_larger_than_training_ones():
     run_ranks(_evaluation_batches, 2)
+
+
+def _long_bags(tables, batch_size, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = [f for t in tables for f in t.feature_names]
+    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    values = torch.cat([torch.randint(0, r, (batch_size * length,), generator=g) for r in rows])
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.full((len(keys) * batch_size,), length))
+
+
+def _ids_per_sample_of_each_rank(rank, world_size):
+    """First batches whose largest size (rank 1: 30 samples of 1 id per bag) and
+    largest id count (rank 0: 4 samples of 200) are two ranks': the slots take
+    ``max_batch_size`` samples at rank 0's ids per sample, not at the ratio of the two
+    maxima (then rank 0's 64-sample batch, 25,600 ids for one owner, was refused)."""
+    tables = make_tables(3, seed=7)
+    options = PgasOptions(timeout_s=20, max_batch_size=64)
+    _, pgas, tw = _models(world_size, tables, [0, 1, 1], False, seed=7, options=options)
+    first = _long_bags(tables, 4, 200, rank) if rank == 0 else _long_bags(tables, 30, 1, rank)
+    assert_same_kt(pgas(first), tw(first), exact=True)
+    with torch.no_grad():
+        big = _long_bags(tables, 64, 200, 10 + rank) if rank == 0 else _long_bags(tables, 64, 1, 10 + rank)
+        assert_same_kt(pgas(big), tw(big), exact=True)
+
+
+def test_evaluation_batches_at_the_ids_per_sample_of_each_rank():
+    run_ranks(_ids_per_sample_of_each_rank, 2)
 
 
 def _planner(rank, world_size):

@@ -333,8 +333,10 @@ def capture(
 
     Training: ``fn`` may run the forward, ``loss.backward()`` and ``optimizer.step()``.
     FBGEMM's fused optimizers update the tables inside the backward, at the learning
-    rate their ``param_groups`` hold when the step is called (each call reads it, so a
-    ``torch.optim.lr_scheduler`` over the fused optimizer works as in eager steps). A dense optimizer
+    rate their ``param_groups`` hold when the step is called: a
+    ``torch.optim.lr_scheduler`` stepped between calls works as in eager steps that
+    call the optimizer's ``zero_grad()`` first; one advanced inside ``fn`` (TorchRec's
+    ``WarmupOptimizer``) is not, as no Python of ``fn`` runs at a replay. A dense optimizer
     must be capturable: ``torch.optim.SGD`` is; Adam and AdamW need ``capturable=True``;
     an optimizer that keeps state on the host (Adagrad's step count) replays the update
     it computed at capture, exact only while that state does not change it (Adagrad with

@@ -72,5 +72,8 @@ class PgasOptions:
             value = getattr(self, field)
             if value not in get_args(allowed):
                 raise ValueError(f"PgasOptions.{field} must be one of {list(get_args(allowed))}, got {value!r}")
-        if self.max_batch_size is not None and (not isinstance(self.max_batch_size, int) or self.max_batch_size < 1):
-            raise ValueError(f"PgasOptions.max_batch_size must be a positive int or None, got {self.max_batch_size!r}")
+        if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or not self.headroom >= 1:
+            raise ValueError(f"PgasOptions.headroom must be a number of at least 1, got {self.headroom!r}")
+        size = self.max_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"PgasOptions.max_batch_size must be a positive int or None, got {size!r}")

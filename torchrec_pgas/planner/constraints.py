@@ -13,6 +13,8 @@ from typing import Any, List, Mapping, Optional
 from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.planner.utils import sharder_name
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 
 from torchrec_pgas.planner.layout import known_sharding_types
 from torchrec_pgas.types import PGAS_SHARDING_TYPES
@@ -74,6 +76,20 @@ def check_constraints_fit_sharders(
             raise ValueError(
                 f"ParameterConstraints for table {table!r} allow only {wanted!r}, but the table is in "
                 f"{type(child).__name__} {path!r}, whose sharder ({type(sharder).__name__}) offers {offered}: "
-                f"the PGAS sharding types shard EmbeddingBagCollection tables (quantized ones through "
-                f"torchrec_pgas.quant.shard_quant_model); allow one of the offered types for this table"
+                + _fix(child)
             )
+
+
+def _fix(module: nn.Module) -> str:
+    """What to do where a constraint wants PGAS types that ``module``'s sharder lacks."""
+    if type(module) is EmbeddingBagCollection:
+        return (
+            "plan and shard it with PgasEmbeddingBagCollectionSharder (torchrec_pgas.planner.pgas_sharders(), "
+            "or sharders=None after torchrec_pgas.register())"
+        )
+    if type(module) is QuantEmbeddingBagCollection:
+        return "shard quantized tables with torchrec_pgas.quant.shard_quant_model"
+    return (
+        "the PGAS sharding types shard EmbeddingBagCollection tables (quantized ones through "
+        "torchrec_pgas.quant.shard_quant_model); allow one of the offered types for this table"
+    )

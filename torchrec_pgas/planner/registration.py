@@ -14,7 +14,9 @@ and defers to the original for everything else:
 - ``sharding_plan.get_default_sharders``: our EBC sharder instead of TorchRec's, so
   ``DistributedModelParallel(sharders=None)`` and sharder-less planning offer PGAS types;
 - ``EmbeddingEnumerator.enumerate`` and ``EmbeddingShardingPlanner.collective_plan``:
-  first reject constraints naming unknown types (on every rank, before rank 0 plans).
+  first reject constraints naming unknown types, and (``collective_plan``) allowing
+  only PGAS types for a table whose module's sharder offers none (on every rank,
+  before rank 0 plans).
 
 Functions are imported by name into other modules (``from ... import f``), so each
 ``torchrec`` module in ``sys.modules`` holding the original object is patched too, and

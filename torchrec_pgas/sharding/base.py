@@ -171,7 +171,14 @@ def check_ranks_agree(
     peer thinks larger, or wait for ids its peer never sends). One collective, once."""
     everyone: List[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, (dataclasses.asdict(options), list(tables), problem), group=pg)
-    found = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(everyone) if p is not None]
+    ranks_with: Dict[str, List[int]] = {}
+    for r, (_, _, p) in enumerate(everyone):
+        if p is not None:
+            ranks_with.setdefault(p, []).append(r)
+    found = [
+        f"{'every rank' if len(ranks) == len(everyone) else 'rank ' + ', '.join(map(str, ranks))}: {p}"
+        for p, ranks in ranks_with.items()
+    ]
     optioned = [o for o, _, _ in everyone]
     differing = [
         f"{field} ({', '.join(f'rank {r}: {o[field]!r}' for r, o in enumerate(optioned))})"

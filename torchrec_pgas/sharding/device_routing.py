@@ -250,15 +250,17 @@ def first_batch_sizes(
     routed: Sequence[Sequence[int]],
     group: dist.ProcessGroup,
     device: torch.device,
-) -> Tuple[int, int]:
-    """The largest batch size and ids per owner of any rank's first batch (collective:
-    the set-up's read of the first batch's sizes; the set-up also reads address tables
-    back once)."""
+) -> Tuple[int, int, int]:
+    """The largest batch size, ids per owner and ids per owner and sample (rounded up) of
+    any rank's first batch (collective: the set-up's read of the first batch's sizes;
+    the set-up also reads address tables back once)."""
     ids_per_owner = offsets.new_zeros(1)
     if batch_size:
         per_feature = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
         ids_per_owner = torch.stack([per_feature[f].sum() for f in routed])
-    sizes = torch.stack([torch.tensor(batch_size, device=device), ids_per_owner.max()])
+    most = ids_per_owner.max()
+    per_sample = (most + batch_size - 1) // batch_size if batch_size else most * 0
+    sizes = torch.stack([torch.tensor(batch_size, device=device), most, per_sample])
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    batch, ids = sizes.tolist()
-    return batch, ids
+    batch, ids, per_sample = sizes.tolist()
+    return batch, ids, per_sample

@@ -19,8 +19,11 @@ The hyper-parameters (learning rate, eps, weight decay) are FBGEMM's module's: t
 kernels read them from a small device tensor per group, which an eager backward brings
 up to date (a write only when one changed) and a CUDA graph's replay too, before it
 runs (``refresh``: it also takes the learning rate of the tables' fused optimizer, as
-that optimizer's ``step()`` would). A learning-rate schedule then works in captured
-training as in eager training; as launch arguments, a graph would keep its capture's.
+that optimizer's ``zero_grad()`` or ``step()`` would). A schedule stepped between
+replays then reaches them as it reaches eager steps that call the optimizer's
+``zero_grad()`` before the backward (a schedule advanced inside the captured function,
+as ``WarmupOptimizer`` does, is not run by a replay); as launch arguments, a graph
+would keep its capture's values.
 """
 
 from dataclasses import dataclass
@@ -186,8 +189,9 @@ class FusedUpdate:
 
     def refresh(self) -> None:
         """Before a CUDA graph's replay: each group's learning rate from its fused
-        optimizer's ``param_groups`` into FBGEMM's module, as the optimizer's ``step()``
-        in an eager step puts it there, then the hyper-parameters the kernels read."""
+        optimizer's ``param_groups`` into FBGEMM's module, as the optimizer's
+        ``zero_grad()`` in an eager step puts it there, then the hyper-parameters the
+        kernels read."""
         for group in self._groups:
             if group.optimizer is not None:
                 group.tbe.set_learning_rate(group.optimizer.param_groups[0]["lr"])

@@ -97,12 +97,12 @@ class DeviceTwSetup(BaseTwExchange):
         t.reclaim()  # the buffers of models gone since the last allocation
         routed = [self._routing.routed_features(w, self._input_pos) for w in range(world)]
         self._runs = feature_runs(routed, self._dev)
-        batch, ids = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
-        self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._capacity)
+        batch, ids, per_sample = first_batch_sizes(batch_size, offsets, routed, t.group, self._dev)
+        self._layout = layout = IdsSlotLayout.for_batch(max(self._counts), batch, ids, self._capacity, per_sample)
         if layout.batch_capacity > MAX_BATCH_CAPACITY:  # the same on every rank: sizes were all-reduced
             raise ValueError(
                 f"{self._name}: slots of {layout.batch_capacity} samples per source (the first batch's "
-                f"{batch} or PgasOptions.max_batch_size, times headroom) are more than the GPU exchange's "
+                f"{batch} times PgasOptions.headroom, or max_batch_size) are more than the GPU exchange's "
                 f"kernels take ({MAX_BATCH_CAPACITY}): lower headroom or max_batch_size, or split the batch"
             )
         out = self._output

@@ -70,10 +70,12 @@ class TwExchange(BaseTwExchange):
 
     def _allocate(self, batch_size: int, max_ids: int) -> None:
         """Sizes the buffers from the largest first batch of any rank (collective)."""
-        sizes = torch.tensor([batch_size, max_ids], dtype=torch.int64)
+        per_sample = -(-max_ids // batch_size) if batch_size else 0
+        sizes = torch.tensor([batch_size, max_ids, per_sample], dtype=torch.int64)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._t.group)
         max_features = max(len(f) for f in self._features_per_rank)
-        layout = IdsSlotLayout.for_batch(max_features, int(sizes[0]), int(sizes[1]), self._capacity)
+        batch, ids, per_sample = sizes.tolist()
+        layout = IdsSlotLayout.for_batch(max_features, batch, ids, self._capacity, per_sample)
         elem = self._elem
         rows = layout.batch_capacity
         self._ids = Mailbox(self._t, layout.nbytes, True, f"{self._name} ids")
