@@ -34,8 +34,9 @@ class PgasOptions:
         max_batch_size: the most samples a rank's batch will have, where a later batch
             may outgrow the first one times ``headroom`` (an evaluation batch larger
             than the training batch): the buffers then take batches of this size, with
-            ``headroom`` times the first batch's ids per sample. None: the first batch
-            sets the size alone.
+            ``headroom`` times the first batch's ids per sample (the largest of any
+            rank's; an empty first batch gives none, and the ids the least capacity).
+            None: the first batch sets the size alone.
         transport: ``"auto"`` picks NVSHMEM for CUDA devices and the host transport
             for CPU devices.
         remote_path: how the NVSHMEM transport writes rows, gradients and signals into
