@@ -32,7 +32,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
-from torchrec_pgas.sharding.base import PgasShardingMixin, check_ranks_agree, plan_placement, table_description
+from torchrec_pgas.sharding.agreement import check_ranks_agree, plan_placement, table_description
+from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import (
     first_batch_problem,
     input_problem,

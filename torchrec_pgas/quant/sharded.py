@@ -53,7 +53,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_pgas.kernels.ids_slot import Capacity
 from torchrec_pgas.planner import make_planner
 from torchrec_pgas.quant.local import LocalServing
-from torchrec_pgas.sharding.base import PgasShardingMixin, check_ranks_agree, table_description
+from torchrec_pgas.sharding.agreement import check_ranks_agree, table_description
+from torchrec_pgas.sharding.base import PgasShardingMixin
 from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_problem, module_batch_problem, send_problem
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
