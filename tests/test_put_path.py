@@ -10,6 +10,7 @@ with the tables is the GPU tests' business (tests/test_gpu_shared.py).
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,12 +33,18 @@ def test_remote_path_takes_auto_or_put_only():
         PgasOptions(remote_path="puts")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"sparse_update must be one of \['fused', 'fbgemm'\], got 'FBGEMM'"):
         PgasOptions(sparse_update="FBGEMM")  # type: ignore[arg-type]
-    for headroom in (0.5, 0, -1, True, "2"):
-        with pytest.raises(ValueError, match=r"headroom must be a number of at least 1"):
+    for headroom in (0.5, 0, -1, True, "2", float("inf"), float("nan"), 1e300):
+        with pytest.raises(ValueError, match=r"headroom must be a number from 1 to 1024"):
             PgasOptions(headroom=headroom)  # type: ignore[arg-type]
-    for size in (0, -5, True, 2.5):
-        with pytest.raises(ValueError, match=r"max_batch_size must be a positive int or None"):
+    for size in (0, -5, True, 2.5, 10**12):
+        with pytest.raises(ValueError, match=r"max_batch_size must be None or an int from 1 to"):
             PgasOptions(max_batch_size=size)  # type: ignore[arg-type]
+    for timeout in (0, -1, float("nan"), float("inf"), "5", None):
+        with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds"):
+            PgasOptions(timeout_s=timeout)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"transport must be one of \['auto', 'host', 'nvshmem'\], got 'bogus'"):
+        PgasOptions(transport="bogus")  # type: ignore[arg-type]
+    assert PgasOptions(headroom=np.float64(1.5), max_batch_size=np.int64(300)).max_batch_size == 300
 
 
 def _fake_nvshmem(rank, unmapped, arrives=True):

@@ -28,6 +28,7 @@ from dist_utils import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.modules.embedding_configs import DataType
 
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.sharding.tw_base import PgasInputError
@@ -388,20 +389,21 @@ MISMATCHES = {
     "owner": ("t2", r"pgas_table_wise \(fused\) on ranks \[1\]"),
     "torchrec type": ("t2", r"table_wise \(fused\) on ranks \[0\]"),
     "weighted": ("t0", r"SUM pooling, weighted of"),
+    "output dtype": ("t0", r"output FP16"),
 }
 
 
 def _mismatched(rank, world_size, what):
     """Rank 1 builds a model that differs from rank 0's in one table (or its plan):
     a row more, another dim or pooling, another owner, TorchRec's type instead of ours;
-    or per-sample weights in its module only."""
+    per-sample weights in its module only, or another output dtype."""
     tables = [
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=30, feature_names=["f0"]),
         EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=40, feature_names=["f1"]),
         EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=20, feature_names=["f2", "f3"]),
     ]
     placement = {"t0": pgas_tw(0), "t1": pgas_row_wise(), "t2": pgas_tw(0)}
-    weighted = False
+    weighted, fused = False, None
     if rank == 1:
         if what == "rows":
             tables[0].num_embeddings += 1
@@ -413,6 +415,8 @@ def _mismatched(rank, world_size, what):
             placement["t2"] = pgas_tw(1)
         elif what == "weighted":
             weighted = True
+        elif what == "output dtype":
+            fused = {"output_dtype": DataType.FP16}
         else:
             placement["t2"] = torchrec_tw(0)
     torch.manual_seed(0)
@@ -420,7 +424,7 @@ def _mismatched(rank, world_size, what):
     table, described = MISMATCHES[what]
     message = rf"the tables differ across ranks \(table #\d: rank 0: '{table}': .*; rank 1: .*{described}.*\): build"
     with pytest.raises(ValueError, match=message):
-        shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder())
+        shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder(fused_params=fused))
 
 
 @pytest.mark.parametrize("what", sorted(MISMATCHES))

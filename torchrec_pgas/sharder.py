@@ -73,20 +73,25 @@ def _unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, Paramet
 
 
 def _check_ranks_agree(
-    module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv, options: PgasOptions
+    module: EmbeddingBagCollection,
+    params: Dict[str, ParameterSharding],
+    env: ShardingEnv,
+    options: PgasOptions,
+    fused_params: Optional[Dict[str, Any]],
 ) -> None:
     """Raises on every rank unless every rank builds this module from the same tables,
-    plan and options, and its plan is one the module can take: a rank that sees a
-    table larger than its owner does would send ids past the owner's rows (which the
-    GPU lookup does not check again), and a rank that raised alone would leave its
-    peers waiting in the next collective."""
+    plan, output dtype and options, and its plan is one the module can take: a rank
+    that sees a table larger than its owner does would send ids past the owner's rows
+    (which the GPU lookup does not check again), and a rank that raised alone would
+    leave its peers waiting in the next collective."""
     pg = getattr(env, "sharding_pg", None) or env.process_group
     if pg is None:  # a local environment (one process): nothing to agree with
         return
+    dtype = (fused_params or {}).get("output_dtype")
+    output = f", output {dtype.name if dtype is not None else 'FP32'}"
+    placed = {name: plan_placement(p) + output for name, p in params.items()}
     tables = [
-        table_description(
-            c, module.is_weighted(), plan_placement(params[c.name]) if c.name in params else "not in the plan"
-        )
+        table_description(c, module.is_weighted(), placed.get(c.name, "not in the plan"))
         for c in module.embedding_bag_configs()
     ]
     check_ranks_agree(options, tables, pg, "sharding an EmbeddingBagCollection", _unaligned_columns(module, params))
@@ -412,7 +417,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ShardedPgasEmbeddingBagCollection:
-        _check_ranks_agree(module, params, env, self._pgas_options)
+        _check_ranks_agree(module, params, env, self._pgas_options, self.fused_params)
         return ShardedPgasEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

@@ -1,5 +1,7 @@
 """Names and options shared by every part of torchrec_pgas."""
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple, get_args
 
@@ -69,12 +71,29 @@ class PgasOptions:
     sparse_update: SparseUpdate = "fused"
 
     def __post_init__(self) -> None:
-        for field, allowed in (("remote_path", RemotePath), ("sparse_update", SparseUpdate)):
+        choices = (("transport", TransportKind), ("remote_path", RemotePath), ("sparse_update", SparseUpdate))
+        for field, allowed in choices:
             value = getattr(self, field)
             if value not in get_args(allowed):
                 raise ValueError(f"PgasOptions.{field} must be one of {list(get_args(allowed))}, got {value!r}")
-        if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or not self.headroom >= 1:
-            raise ValueError(f"PgasOptions.headroom must be a number of at least 1, got {self.headroom!r}")
+        if not _number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"PgasOptions.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if not _number(self.headroom) or not 1 <= self.headroom <= MAX_HEADROOM:
+            raise ValueError(f"PgasOptions.headroom must be a number from 1 to {MAX_HEADROOM}, got {self.headroom!r}")
         size = self.max_batch_size
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise ValueError(f"PgasOptions.max_batch_size must be a positive int or None, got {size!r}")
+        if size is not None and (not _number(size, integral=True) or not 1 <= size <= MAX_BATCH_SIZE):
+            raise ValueError(
+                f"PgasOptions.max_batch_size must be None or an int from 1 to {MAX_BATCH_SIZE}, got {size!r}"
+            )
+
+
+#: Bounds of ``PgasOptions.headroom`` and ``max_batch_size``: past them the slots' sizes
+#: would not be allocated, or would overflow the int32 lengths and offsets of a slot.
+MAX_HEADROOM = 1024.0
+MAX_BATCH_SIZE = 2**31 - 1
+
+
+def _number(value: object, integral: bool = False) -> bool:
+    """A real number (numpy's too), not a bool; with ``integral``, a whole one."""
+    kind = numbers.Integral if integral else numbers.Real
+    return isinstance(value, kind) and not isinstance(value, bool)

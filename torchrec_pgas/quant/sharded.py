@@ -401,7 +401,8 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
             problem = str(e)
         # Every rank takes part, its plan valid or not: a rank that raised alone would
         # leave its peers in this collective.
-        tables = [table_description(t, module.is_weighted(), f"on {owners.get(t.name)!r}") for t in configs]
+        output = f", output {module.output_dtype()}"
+        tables = [table_description(t, module.is_weighted(), f"on {owners.get(t.name)!r}{output}") for t in configs]
         check_ranks_agree(options, tables, pg, PGAS_TABLE_WISE, problem)
         self._is_weighted = module.is_weighted()
         self._out_dtype = module.output_dtype()
