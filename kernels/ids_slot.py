@@ -16,9 +16,12 @@ import functools
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from torchrec_pgas.types import PgasOptions
 
 HEADER_WORDS = 8
 
@@ -94,6 +97,11 @@ class Capacity:
 
     headroom: float = 2.0
     max_batch: Optional[int] = None
+
+    @staticmethod
+    def of(options: "PgasOptions") -> "Capacity":
+        """The sizing ``options`` ask for."""
+        return Capacity(options.headroom, options.max_batch_size)
 
 
 @dataclass(frozen=True)

@@ -394,11 +394,11 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         configs = module.embedding_bag_configs()
         problem = plan_problem
-        try:
-            if problem is None:
+        if problem is None:
+            try:
                 _check_plan(module, configs, owners, world_size)
-        except (ValueError, NotImplementedError) as e:
-            problem = str(e)
+            except (ValueError, NotImplementedError) as e:
+                problem = str(e)
         # Every rank takes part, its plan valid or not: a rank that raised alone would
         # leave its peers in this collective.
         output = f", output {module.output_dtype()}"
@@ -440,7 +440,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 features_per_rank=features_per_rank,
                 dim_sum_per_rank=[sum(t.embedding_dim * t.num_features() for t in ts) for ts in per_rank],
                 out_dtype=self._out_dtype,
-                capacity=Capacity(options.headroom, options.max_batch_size),
+                capacity=Capacity.of(options),
                 name=PGAS_TABLE_WISE,
             )
             mine_tw, self._pool_keys["local"] = _distinct_features(copy.deepcopy(per_rank[rank]))
@@ -470,7 +470,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
                 # FBGEMM's int-N kernels divide a weighted bag by its number of ids.
                 mean_by_count=True,
                 out_dtype=self._out_dtype,
-                capacity=Capacity(options.headroom, options.max_batch_size),
+                capacity=Capacity.of(options),
                 name=PGAS_ROW_WISE,
             )
             block_weights = {

@@ -98,7 +98,7 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             dims=[t.embedding_dim for t in mine for _ in t.feature_names],
             mean=[t.pooling == PoolingType.MEAN for t in mine for _ in t.feature_names],
             out_dtype=self._out_dtype,
-            capacity=Capacity(self._options.headroom, self._options.max_batch_size),
+            capacity=Capacity.of(self._options),
             name=PGAS_ROW_WISE,
         )
         if transport.device.type != "cuda":

@@ -46,7 +46,7 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             features_per_rank=_features_per_rank(self),
             dim_sum_per_rank=self._dim_sum_per_rank(),
             out_dtype=self._out_dtype,
-            capacity=Capacity(self._options.headroom, self._options.max_batch_size),
+            capacity=Capacity.of(self._options),
             name=PGAS_TABLE_WISE,
         )
         if transport.device.type != "cuda":
