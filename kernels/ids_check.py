@@ -34,12 +34,24 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher, cdiv
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 
 #: What a verdict word holds when nothing is wrong.
 NONE = 2**62
 BLOCK = 1024
 NUM_WARPS = 4
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _pick(vector, at, index):
+    """``vector[index]`` of a vector the program holds (``at``: its positions); 0 for
+    an index outside it."""
+    return tl.sum(tl.where(at == index, vector, 0))
 
 
 @triton.jit(do_not_specialize=["n_ids", "n_lengths", "batch", "num_features"])
@@ -60,8 +72,10 @@ def ids_check_kernel(
     NARROW: tl.constexpr,
     SANITIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FEATURES: tl.constexpr,
 ):
-    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k0 = tl.program_id(0).to(tl.int64) * BLOCK
+    k = k0 + tl.arange(0, BLOCK)
     in_ids = k < n_ids
     ids = tl.load(values_ptr + k, mask=in_ids, other=0)
     # An id belongs to the last feature that starts at or before it (features with
@@ -69,20 +83,20 @@ def ids_check_kernel(
     # and the earlier features' first offsets, clamped to the ids: its first offset
     # for valid lengths, and in order whatever the lengths, so that the ids a
     # feature's bags can read once sanitized are those checked against its table.
-    limit = tl.zeros([BLOCK], dtype=tl.int64)
-    start = n_ids * 0
-    if SANITIZE:
-        # Offset k bounds the bags of feature k // batch: between its start and the next's.
-        feature_of_offset = k // tl.maximum(batch, 1)
-        lo = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
-        hi = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
-    for f in range(num_features):
-        first = tl.load(offsets_ptr + f * batch).to(tl.int64)
-        start = tl.maximum(start, tl.minimum(tl.maximum(first, 0), n_ids))
-        limit = tl.where(k >= start, tl.load(num_rows_ptr + f), limit)
-        if SANITIZE:
-            lo = tl.where(feature_of_offset == f, start, lo)
-            hi = tl.where(feature_of_offset == f - 1, start, hi)
+    # Every feature's start is read at once (one load's latency, not one per feature),
+    # and only the features that start inside this program's ids are walked.
+    f = tl.arange(0, FEATURES)
+    is_feature = f < num_features
+    bt = tl.maximum(batch, 1)
+    firsts = tl.load(offsets_ptr + f * batch, mask=is_feature, other=n_ids).to(tl.int64)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(firsts, 0), n_ids), 0, _larger)
+    num_rows = tl.load(num_rows_ptr + f, mask=is_feature, other=0)
+    k_last = tl.minimum(k0 + BLOCK, n_ids) - 1
+    f_first = tl.sum((is_feature & (starts <= k0)).to(tl.int32)) - 1
+    f_last = tl.sum((is_feature & (starts <= k_last)).to(tl.int32)) - 1
+    limit = tl.zeros([BLOCK], dtype=tl.int64) + _pick(num_rows, f, f_first)
+    for g in range(f_first + 1, f_last + 1):
+        limit = tl.where(k >= _pick(starts, f, g), _pick(num_rows, f, g), limit)
     bad = in_ids & ((ids < 0) | (ids >= limit))
     first_bad = tl.min(tl.where(bad, k, NONE))
     if first_bad < NONE:
@@ -99,9 +113,18 @@ def ids_check_kernel(
         tl.store(ids_out_ptr + k, tl.where(bad, 0, ids).to(ids_out_ptr.dtype.element_ty), mask=in_ids)
         in_offsets = k <= n_lengths
         offsets = tl.load(offsets_ptr + k, mask=in_offsets, other=0).to(tl.int64)
-        # A feature's first offset is its start (the last offset, the ids' end); the
-        # others stay between its start and the next feature's.
-        first_of_feature = (k % tl.maximum(batch, 1)) == 0
+        # Offset k bounds the bags of feature k // batch: between its start and the
+        # next's (the ids' end after the last). A feature's first offset is its start
+        # (the last offset, the ids' end). The features of this program's offsets are
+        # walked: no division per offset.
+        lo = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
+        hi = lo
+        first_of_feature = k < 0
+        for g in range(k0 // bt, tl.minimum(k0 + BLOCK - 1, n_lengths) // bt + 1):
+            here = k >= g * bt
+            lo = tl.where(here, tl.where(g < num_features, _pick(starts, f, g), n_ids), lo)
+            hi = tl.where(here, tl.where(g + 1 < num_features, _pick(starts, f, g + 1), n_ids), hi)
+            first_of_feature = tl.where(here, k == g * bt, first_of_feature)
         offsets = tl.where(first_of_feature, lo, tl.minimum(tl.maximum(offsets, lo), hi))
         offsets = tl.where(batch == 0, 0, offsets)
         tl.store(offsets_out_ptr + k, offsets.to(offsets_out_ptr.dtype.element_ty), mask=in_offsets)
@@ -143,5 +166,6 @@ def ids_check(
             NARROW=narrowed is not None,
             SANITIZE=sanitized is not None,
             BLOCK=BLOCK,
+            FEATURES=next_power_of_2(max(num_rows.numel(), 1)),
             num_warps=NUM_WARPS,
         )

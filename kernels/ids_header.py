@@ -210,10 +210,12 @@ def batch_status(
     verdict (``bad_pos``, ``negative_pos``), its lengths' sum ``total`` against its
     ``n_ids`` ids, whether it is ``over`` capacity (``most_ids`` ids for one owner),
     and a problem the host found (``host_status`` >= 0), which overrides all."""
-    feature = num_check_features * 0
-    for f in range(num_check_features):
-        feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
     has_bad = bad_pos < NONE
+    feature = num_check_features * 0
+    # The bad id's feature is looked for only where there is one: a good batch's step
+    # (most steps) waits on no load per feature.
+    for f in range(tl.where(has_bad, num_check_features, 0)):
+        feature = tl.where(tl.load(check_offsets_ptr + f * batch) <= bad_pos, f, feature)
     bad_id = tl.load(check_values_ptr + tl.where(has_bad, bad_pos, 0), mask=has_bad, other=0)
 
     # Later checks win: a batch that fails several reports the most basic problem.

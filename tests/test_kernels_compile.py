@@ -201,8 +201,12 @@ CASES = {
             "NARROW": "constexpr",
             "SANITIZE": "constexpr",
             "BLOCK": "constexpr",
+            "FEATURES": "constexpr",
         },
-        [{"NONE": 2**62, "NARROW": n, "SANITIZE": s, "BLOCK": 1024} for n in (True, False) for s in (True, False)],
+        [
+            {"NONE": 2**62, "NARROW": n, "SANITIZE": s, "BLOCK": 1024, "FEATURES": f}
+            for n, s, f in ((True, False, 1), (False, True, 32), (False, False, 8))
+        ],
     ),
     "local_finish": (
         local_finish_kernel,

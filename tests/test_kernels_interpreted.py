@@ -346,6 +346,62 @@ def test_a_negative_length_cannot_make_a_bag_read_another_tables_ids(k, dtype):
         assert (read < int(rows[bag])).all(), (bag, read.tolist(), safe.tolist())
 
 
+def _checked_oracle(values, offsets, lengths, rows, B):
+    """What ``ids_check`` must give, element by element: the verdict, the sanitized ids
+    and offsets (each feature starts at the largest of its and the earlier features'
+    first offsets, clamped to the ids; an id is checked against the last feature that
+    starts at or before it; a bag's offsets stay within its feature's ids)."""
+    n, F, bt = values.numel(), rows.numel(), max(B, 1)
+    starts, start = [], 0
+    for f in range(F):
+        start = max(start, min(max(int(offsets[f * B]), 0), n))
+        starts.append(start)
+    ids, bad_at = [], None
+    for p, v in enumerate(values.tolist()):
+        owner = [f for f in range(F) if starts[f] <= p]
+        limit = int(rows[owner[-1]]) if owner else 0
+        bad = v < 0 or v >= limit
+        bad_at = p if bad and bad_at is None else bad_at
+        ids.append(0 if bad else v)
+    negative = [p for p, n_ in enumerate(lengths.tolist()) if n_ < 0]
+    safe = []
+    for p in range(lengths.numel() + 1):
+        g = p // bt
+        lo = starts[g] if g < F else n
+        hi = starts[g + 1] if g + 1 < F else n
+        safe.append(0 if B == 0 else lo if p % bt == 0 else min(max(int(offsets[p]), lo), hi))
+    none = 2**62
+    return [none if bad_at is None else bad_at, negative[0] if negative else none], ids, safe
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", range(6))
+def test_ids_check_over_many_programs_matches_the_element_by_element_oracle(k, seed, monkeypatch):
+    """Programs of a few ids each, so that a program's ids and offsets span several
+    features, none, or start inside one (the kernel walks only the features of its own
+    range): many features, empty ones, tiny and empty batches, out-of-range ids and
+    negative lengths, against ``_checked_oracle``."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    monkeypatch.setattr(k.ids_check, "BLOCK", rnd.choice([2, 4, 8, 16]))
+    for _ in range(4):
+        F = rnd.randint(1, 40)
+        B = rnd.choice([0, 1, 2, rnd.randint(3, 9)])
+        rows = torch.randint(1, 30, (F,), generator=g)
+        lengths, values = _source_batch(g, F, B, rows)
+        problems = ["none", "too_large", "negative_id"] + (["negative"] if B else [])
+        lengths, values, offsets = _spoiled(rnd, rnd.choice(problems), rows, lengths, values)
+        if values.numel() and rnd.random() < 0.3:
+            values[rnd.randrange(values.numel())] = int(rows.max()) + 1
+        verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
+        ids, safe = torch.empty(values.numel(), dtype=torch.int64), torch.empty(offsets.numel(), dtype=torch.int64)
+        k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B, sanitized=(ids, safe))
+        want_verdict, want_ids, want_safe = _checked_oracle(values, offsets, lengths, rows, B)
+        assert verdict.tolist() == want_verdict, (F, B)
+        assert ids.tolist() == want_ids, (F, B)
+        assert safe.tolist() == want_safe, (F, B)
+
+
 def test_feature_runs_cut_each_owner_at_every_gap():
     from torchrec_pgas.kernels.ids_header import feature_runs
 
