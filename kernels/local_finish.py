@@ -3,8 +3,12 @@
 problem the host found) becomes NaN, and the step's header (``ids_slot.Header``:
 status and detail, decided as ``ids_header`` decides them) goes to the step's entry
 of the ring in pinned host memory (``step_records``), which the host reads without
-waiting for the device. The last program to finish leaves the verdict clean for the
-next batch and ticks the step clock.
+waiting for the device. It then leaves the verdict clean for the next batch and ticks
+the step clock.
+
+It is one program: a good batch's step (most steps) only reads the verdict and writes
+the record, and a single program does that with no count of finished programs (an
+atomic on the step's critical path); a bad batch's NaN outputs need not be fast.
 
 Buffers:
     out:       float [n_out]           in/out: the step's pooled rows; NaN if bad
@@ -13,7 +17,6 @@ Buffers:
     offsets:   int   [F * batch + 1]   the batch's offsets
     num_rows:  int64 [F]               rows of each feature's table
     clock:     int64 [1]               in/out: the steps served; ticked
-    done:      int64 [1]               in/out: programs finished; left at 0
     ring:      int64 [RING, WORDS + 1] host memory (pinned: an address the device
                                        writes): entry ``step % RING`` gets the header,
                                        then the step
@@ -28,14 +31,10 @@ import triton.language as tl
 from torchrec_pgas.kernels.ids_check import NONE
 from torchrec_pgas.kernels.ids_header import batch_status
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
-from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.signals import last_to_finish
+from torchrec_pgas.kernels.launch import Launcher
 
 BLOCK = 1024
 NUM_WARPS = 4
-#: Programs at most: a good batch's step only reads the verdict, and every program
-#: counts itself in on one word; a bad batch's NaN outputs need not be fast.
-MAX_PROGRAMS = 32
 
 _OK = tl.constexpr(Status.OK.value)
 
@@ -61,7 +60,6 @@ def local_finish_kernel(
     offsets_ptr,
     num_rows_ptr,
     clock_ptr,
-    done_ptr,
     ring_addr: tl.int64,
     n_out: tl.int64,
     n_ids: tl.int64,
@@ -101,28 +99,27 @@ def local_finish_kernel(
     )
     if status != _OK:
         nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
-        for start in range(tl.program_id(0) * BLOCK, n_out, tl.num_programs(0) * BLOCK):
+        for start in range(0, n_out, BLOCK):
             k = start + tl.arange(0, BLOCK)
             tl.store(out_ptr + k, nan, mask=k < n_out)
-    # Every thread has read the verdict before the last program resets it.
+    # Every thread has read the verdict before it is reset.
     tl.debug_barrier()
-    if last_to_finish(done_ptr, tl.num_programs(0)):
-        tl.store(verdict_ptr, NONE)
-        tl.store(verdict_ptr + 1, NONE)
-        step = tl.load(clock_ptr) + 1
-        tl.store(clock_ptr, step)
-        entry = ring_addr.to(tl.pointer_type(tl.int64), bitcast=True) + (step % RING) * (WORDS + 1)
-        tl.store(entry, status.to(tl.int64))
-        tl.store(entry + 1, batch)
-        tl.store(entry + 2, tl.where(status == _OK, n_ids, 0))
-        tl.store(entry + 3, has_weights)
-        tl.store(entry + 4, d0.to(tl.int64))
-        tl.store(entry + 5, d1.to(tl.int64))
-        tl.store(entry + 6, d2.to(tl.int64))
-        for i in range(7, WORDS):
-            tl.store(entry + i, 0)
-        # The step last, released at system scope: the host reads it first.
-        tl.atomic_xchg(entry + WORDS, step, sem="release", scope="sys")
+    tl.store(verdict_ptr, NONE)
+    tl.store(verdict_ptr + 1, NONE)
+    step = tl.load(clock_ptr) + 1
+    tl.store(clock_ptr, step)
+    entry = ring_addr.to(tl.pointer_type(tl.int64), bitcast=True) + (step % RING) * (WORDS + 1)
+    tl.store(entry, status.to(tl.int64))
+    tl.store(entry + 1, batch)
+    tl.store(entry + 2, tl.where(status == _OK, n_ids, 0))
+    tl.store(entry + 3, has_weights)
+    tl.store(entry + 4, d0.to(tl.int64))
+    tl.store(entry + 5, d1.to(tl.int64))
+    tl.store(entry + 6, d2.to(tl.int64))
+    for i in range(7, WORDS):
+        tl.store(entry + i, 0)
+    # The step last, released at system scope: the host reads it first.
+    tl.atomic_xchg(entry + WORDS, step, sem="release", scope="sys")
 
 
 _launcher = Launcher(local_finish_kernel)
@@ -135,7 +132,6 @@ def local_finish(
     offsets: torch.Tensor,
     num_rows: torch.Tensor,
     clock: torch.Tensor,
-    done: torch.Tensor,
     ring: torch.Tensor,
     batch: int,
     has_weights: bool,
@@ -151,14 +147,13 @@ def local_finish(
     d0, d1, d2 = (list(detail) + [0, 0, 0])[:3]
     num_features = 0 if host_problem is not None else (offsets.numel() - 1) // max(batch, 1)
     n_out = out.numel()
-    _launcher[(max(1, min(MAX_PROGRAMS, cdiv(n_out, BLOCK))),)](
+    _launcher[(1,)](
         out,
         verdict,
         values,
         offsets,
         num_rows,
         clock,
-        done,
         ring.data_ptr(),
         n_out,
         values.numel() if host_problem is None else 0,

@@ -217,7 +217,6 @@ CASES = {
             "offsets_ptr": "*i64",
             "num_rows_ptr": "*i64",
             "clock_ptr": "*i64",
-            "done_ptr": "*i64",
             "ring_addr": "i64",
             "n_out": "i64",
             "n_ids": "i64",

@@ -41,8 +41,7 @@ class LocalServing:
     ``features``, in that order (the lookup's). ``dim``: the output's width; ``name``
     names the steps in errors.
 
-    It owns a few words on the device (the verdict of the checks, the count of
-    ``local_finish``'s programs, the step clock) and the ring of step records in pinned
+    It owns a few words on the device (the verdict of the checks, the step clock) and the ring of step records in pinned
     host memory; nothing to free but what garbage collection frees. Listed among the module's exchanges, it
     answers what ``torchrec_pgas.graphs`` asks of one (``raise_errors``,
     ``step_counters``, ``advance``)."""
@@ -65,7 +64,6 @@ class LocalServing:
         self._num_rows = torch.tensor([f.num_embeddings for f in features], dtype=torch.int64, device=device)
         self._rows_fit = max((f.num_embeddings for f in features), default=0) <= INT32_LIMIT
         self._verdict = torch.full((2,), NONE, dtype=torch.int64, device=device)
-        self._done = torch.zeros(1, dtype=torch.int64, device=device)
         self._clock = torch.zeros(1, dtype=torch.int64, device=device)
         self._records = StepRecords(HEADER_WORDS, device)
         self._step = 0  # steps enqueued, as the host counts them
@@ -92,7 +90,6 @@ class LocalServing:
                 self._verdict,
                 self._num_rows,
                 self._clock,
-                self._done,
                 self._records.ring,
                 batch,
                 False,
@@ -122,7 +119,6 @@ class LocalServing:
             offsets,
             self._num_rows,
             self._clock,
-            self._done,
             self._records.ring,
             batch,
             weights is not None,
