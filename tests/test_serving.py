@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from dist_utils import torchrun_ok
 from torchrec import KeyedJaggedTensor
 
-from torchrec_pgas.benchmark import serving, workload
+from torchrec_pgas.benchmark import serving, timing, workload
 from torchrec_pgas.benchmark.config import Config, base_config
 
 TINY = ["--tables", "3", "--rows", "64", "--dim", "8", "--ids-per-bag", "3", "--iters", "4", "--warmup", "1"]
@@ -82,6 +83,28 @@ def _run(tmp_path, nproc: int, *argv: str) -> dict:
     with open(out / "serving.md") as f:
         assert f.read() == serving.markdown(report["rows"], report["meta"])
     return report
+
+
+def test_paired_step_times_interleave_the_paths_and_time_each_alone():
+    """Every run steps each path once, starting from another path each run, and each
+    step's time is its own: a path that sleeps longer measures longer, whichever
+    order it ran in."""
+    calls = []
+
+    def path(n):
+        def fn(i):
+            calls.append((n, i))
+            time.sleep(0.002 * (1 + 2 * n))
+
+        return fn
+
+    times = timing.paired_step_times([path(0), path(1)], iters=6, warmup=1, device=torch.device("cpu"))
+    assert [len(t) for t in times] == [6, 6]
+    assert calls[:2] == [(0, 0), (1, 0)], "the warm-up steps every path"
+    runs = [calls[2 + 2 * i : 4 + 2 * i] for i in range(6)]
+    assert [run[0][0] for run in runs] == [0, 1, 0, 1, 0, 1], "each run starts from another path"
+    assert all(run[0][1] == run[1][1] == i for i, run in enumerate(runs))
+    assert min(times[1]) > max(times[0]) and min(times[0]) >= 2.0
 
 
 def test_runs_on_one_cpu_rank_with_torchrecs_serving_path(tmp_path):

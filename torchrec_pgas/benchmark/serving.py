@@ -8,7 +8,8 @@ The tables are R1's by default (8 x 1M rows x 128 dims, 20 ids per bag, uniform 
 ``config.add_config_args``), drawn as ``workload.build`` draws them and quantized by
 TorchRec's ``quantize_embeddings``. At every batch size (samples per rank) it times,
 p50 and p99 of ``--iters`` steps after ``--warmup`` (CUDA events on GPUs; a step is
-as slow as its slowest rank):
+as slow as its slowest rank; at world size 1 each of ours is timed interleaved with
+TorchRec's counterpart, step by step, so that the host's drift falls on both alike):
 
 * ``pgas eager``: ``torchrec_pgas.quant.shard_quant_model``, tables placed as R1
   places them (table ``i`` on rank ``i % world``);
@@ -355,40 +356,48 @@ def run(
         def step_of(fn: Callable[[KeyedJaggedTensor], Any], batches: List[KeyedJaggedTensor]) -> Callable[[int], Any]:
             return lambda i: fn(batches[i % len(batches)])
 
-        # Ours, eager then graphed: a model per batch size (buffers are sized at the first).
+        # Ours: a model per batch size (buffers are sized at the first), captured too.
         ours = shard_quant_model(quantized(ebc, args.quant), pg, owners=owners)
+        step = None
         with torch.no_grad():
             first = ours.ebc(kjts[0]).to_dict()
-            times["pgas eager"] = latencies(step_of(ours, kjts), args.iters, args.warmup, device, pg)
-        progress.update()
         if gpu:
             step = _graph(ours, kjts[0], model=ours)
             graphed = step(kjts[0]).clone()
             diff = float((graphed - torch.cat([first[k] for k in kjts[0].keys()], dim=1)).abs().max())
             checks.append(f"batch {b}: pgas graphed vs eager, max abs difference {diff:.3g} (rank {rank})")
-            times["pgas graphed"] = latencies(step_of(step, kjts), args.iters, args.warmup, device, pg)
-            del step
         else:
             notes["pgas graphed"] = "n/a: CUDA graphs need GPUs"
-        raise_errors(ours, wait=True)
-        progress.update()
-        del ours
-        gc.collect()
-
-        # TorchRec's serving path on rank 0, the others waiting.
+        # TorchRec's serving path runs on rank 0, the others waiting. At world size 1 it
+        # is timed interleaved with ours (``paired``): their ratio is then fair to
+        # both whatever the host does meanwhile; on more ranks ours steps every rank.
         notes["torchrec quant"] = notes["torchrec quant graphed"] = torchrec_note
         tr_kjts: List[KeyedJaggedTensor] = []
         if tr_model is not None:
             global_cfg = dataclasses.replace(cfg, batch_size=samples)
             tr_kjts = kjts if world == 1 else workload.batches(global_cfg, device, BATCHES, 0)
+        paired = world == 1 and tr_model is not None
+
+        def timed(ours_path: str, ours_fn: Any, tr_path: str, tr_fn: Any) -> None:
+            """Times ours and TorchRec's (either may be None) at this batch size."""
             with torch.no_grad():
-                if world == 1:
-                    theirs = tr_model.ebc(kjts[0]).to_dict()
-                    diff = max(float((theirs[k] - first[k]).abs().max()) for k in first)
-                    checks.append(f"batch {b}: pgas eager vs torchrec quant, max abs difference {diff:.3g}")
-                times["torchrec quant"] = latencies(step_of(tr_model, tr_kjts), args.iters, args.warmup, device, None)
-        progress.update()
-        dist.barrier(group=host_pg)
+                if paired and ours_fn is not None and tr_fn is not None:
+                    fns = [step_of(ours_fn, kjts), step_of(tr_fn, tr_kjts)]
+                    times[ours_path], times[tr_path] = timing.paired_step_times(fns, args.iters, args.warmup, device)
+                    return
+                if ours_fn is not None:
+                    times[ours_path] = latencies(step_of(ours_fn, kjts), args.iters, args.warmup, device, pg)
+                if tr_fn is not None:
+                    times[tr_path] = latencies(step_of(tr_fn, tr_kjts), args.iters, args.warmup, device, None)
+                dist.barrier(group=host_pg)
+
+        if tr_model is not None and world == 1:
+            with torch.no_grad():
+                theirs = tr_model.ebc(kjts[0]).to_dict()
+            diff = max(float((theirs[k] - first[k]).abs().max()) for k in first)
+            checks.append(f"batch {b}: pgas eager vs torchrec quant, max abs difference {diff:.3g}")
+        timed("pgas eager", ours, "torchrec quant", tr_model)
+        progress.update(2)
 
         if float_model is not None:
             forward, _ = workload.step_fns(float_model)
@@ -397,7 +406,9 @@ def run(
             notes["float table_wise"] = "left out (--no-float)"
         progress.update()
 
-        # Last: a capture that fails may leave the device's state behind it unclear.
+        # TorchRec's capture last: a capture that fails may leave the device's state
+        # behind it unclear.
+        tr_step = None
         if tr_model is not None and not tr_graph_note:
             try:
                 tr_step = torchrec_graph(tr_model, tr_kjts)
@@ -405,16 +416,16 @@ def run(
                     eager = tr_model(tr_kjts[0]).clone()
                 diff = float((tr_step(tr_kjts[0]) - eager).abs().max())
                 checks.append(f"batch {b}: torchrec quant graphed vs eager, max abs difference {diff:.3g}")
-                times["torchrec quant graphed"] = latencies(
-                    step_of(tr_step, tr_kjts), args.iters, args.warmup, device, None
-                )
-                del tr_step
             except Exception as e:  # noqa: BLE001 - reported as the path's note
+                tr_step = None
                 tr_graph_note = _failure(e)  # not tried again: the same step fails the same way
         if tr_model is not None:
             notes["torchrec quant graphed"] = tr_graph_note
-        progress.update()
-        dist.barrier(group=host_pg)
+        timed("pgas graphed", step, "torchrec quant graphed", tr_step)
+        raise_errors(ours, wait=True)
+        progress.update(2)
+        del ours, step, tr_step
+        gc.collect()
         rows += [summary(path, b, samples, times.get(path), notes.get(path, "")) for path in PATHS]
     progress.close()
     return with_ratios(rows), checks

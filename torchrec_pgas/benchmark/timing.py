@@ -3,7 +3,7 @@
 import platform
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,25 @@ def step_times(
             begin = time.perf_counter()
             fn(i)
             times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def paired_step_times(
+    fns: Sequence[Callable[[int], Any]], iters: int, warmup: int, device: torch.device
+) -> List[List[float]]:
+    """This process's milliseconds of each of ``fns`` (``fn(i)``), ``iters`` runs each
+    after ``warmup``, interleaved: run ``i`` steps every fn once, starting from a
+    different one each run, so that a change of the host's speed during the
+    measurement (other tenants, clocks) falls on every fn alike and their ratio stays
+    fair. Timed one step at a time as ``step_times`` does."""
+    for i in range(warmup):
+        for fn in fns:
+            fn(i)
+    times: List[List[float]] = [[] for _ in fns]
+    for i in range(iters):
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
+            times[k] += step_times(lambda _: fns[k](i), 1, 0, device, None)
     return times
 
 
