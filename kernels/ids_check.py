@@ -40,6 +40,8 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 NONE = 2**62
 BLOCK = 1024
 NUM_WARPS = 4
+#: Features' starts read at once, at most (more are read in chunks of this many).
+MAX_FEATURES = 1024
 
 
 @triton.jit
@@ -48,10 +50,9 @@ def _larger(a, b):
 
 
 @triton.jit
-def _pick(vector, at, index):
-    """``vector[index]`` of a vector the program holds (``at``: its positions); 0 for
-    an index outside it."""
-    return tl.sum(tl.where(at == index, vector, 0))
+def _start(offsets_ptr, f, batch, n_ids):
+    """Feature ``f``'s first offset, clamped to the ids."""
+    return tl.minimum(tl.maximum(tl.load(offsets_ptr + f * batch).to(tl.int64), 0), n_ids)
 
 
 @triton.jit(do_not_specialize=["n_ids", "n_lengths", "batch", "num_features"])
@@ -83,20 +84,35 @@ def ids_check_kernel(
     # and the earlier features' first offsets, clamped to the ids: its first offset
     # for valid lengths, and in order whatever the lengths, so that the ids a
     # feature's bags can read once sanitized are those checked against its table.
-    # Every feature's start is read at once (one load's latency, not one per feature),
-    # and only the features that start inside this program's ids are walked.
-    f = tl.arange(0, FEATURES)
-    is_feature = f < num_features
+    # The features' starts are read ``FEATURES`` at a time (one load's latency, not one
+    # per feature) for what this program needs of them: how many start at or before
+    # its first and last id, the start of the feature of its first id and of its first
+    # offset; then only the features inside its own range are walked.
     bt = tl.maximum(batch, 1)
-    firsts = tl.load(offsets_ptr + f * batch, mask=is_feature, other=n_ids).to(tl.int64)
-    starts = tl.associative_scan(tl.minimum(tl.maximum(firsts, 0), n_ids), 0, _larger)
-    num_rows = tl.load(num_rows_ptr + f, mask=is_feature, other=0)
     k_last = tl.minimum(k0 + BLOCK, n_ids) - 1
-    f_first = tl.sum((is_feature & (starts <= k0)).to(tl.int32)) - 1
-    f_last = tl.sum((is_feature & (starts <= k_last)).to(tl.int32)) - 1
-    limit = tl.zeros([BLOCK], dtype=tl.int64) + _pick(num_rows, f, f_first)
-    for g in range(f_first + 1, f_last + 1):
-        limit = tl.where(k >= _pick(starts, f, g), _pick(num_rows, f, g), limit)
+    g_first = k0 // bt  # the feature of this program's first offset
+    i = tl.arange(0, FEATURES)
+    carry = n_ids * 0  # the running maximum of the starts before the chunk
+    below_first = carry.to(tl.int32)
+    below_last = below_first
+    start_first = carry  # of the last feature that starts at or before k0
+    start_g = carry  # of feature g_first
+    for c in range(0, num_features, FEATURES):
+        f = c + i
+        valid = f < num_features
+        first = tl.load(offsets_ptr + f * batch, mask=valid, other=0).to(tl.int64)
+        starts = tl.maximum(tl.associative_scan(tl.minimum(tl.maximum(first, 0), n_ids), 0, _larger), carry)
+        below_first += tl.sum((valid & (starts <= k0)).to(tl.int32))
+        below_last += tl.sum((valid & (starts <= k_last)).to(tl.int32))
+        start_first = tl.maximum(start_first, tl.max(tl.where(valid & (starts <= k0), starts, 0)))
+        start_g = tl.maximum(start_g, tl.max(tl.where(valid & (f <= g_first), starts, 0)))
+        carry = tl.maximum(carry, tl.max(tl.where(valid, starts, 0)))
+    f_first = below_first - 1
+    limit = tl.zeros([BLOCK], dtype=tl.int64) + tl.load(num_rows_ptr + f_first, mask=f_first >= 0, other=0)
+    start = start_first
+    for g in range(f_first + 1, below_last):
+        start = tl.maximum(start, _start(offsets_ptr, g, batch, n_ids))
+        limit = tl.where(k >= start, tl.load(num_rows_ptr + g), limit)
     bad = in_ids & ((ids < 0) | (ids >= limit))
     first_bad = tl.min(tl.where(bad, k, NONE))
     if first_bad < NONE:
@@ -120,11 +136,17 @@ def ids_check_kernel(
         lo = tl.zeros([BLOCK], dtype=tl.int64) + n_ids
         hi = lo
         first_of_feature = k < 0
-        for g in range(k0 // bt, tl.minimum(k0 + BLOCK - 1, n_lengths) // bt + 1):
+        start = tl.where(g_first < num_features, start_g, n_ids)
+        for g in range(g_first, tl.minimum(k0 + BLOCK - 1, n_lengths) // bt + 1):
+            has_next = g + 1 < num_features
+            following = n_ids
+            if has_next:
+                following = tl.maximum(start, _start(offsets_ptr, g + 1, batch, n_ids))
             here = k >= g * bt
-            lo = tl.where(here, tl.where(g < num_features, _pick(starts, f, g), n_ids), lo)
-            hi = tl.where(here, tl.where(g + 1 < num_features, _pick(starts, f, g + 1), n_ids), hi)
+            lo = tl.where(here, start, lo)
+            hi = tl.where(here, following, hi)
             first_of_feature = tl.where(here, k == g * bt, first_of_feature)
+            start = following
         offsets = tl.where(first_of_feature, lo, tl.minimum(tl.maximum(offsets, lo), hi))
         offsets = tl.where(batch == 0, 0, offsets)
         tl.store(offsets_out_ptr + k, offsets.to(offsets_out_ptr.dtype.element_ty), mask=in_offsets)
@@ -166,6 +188,6 @@ def ids_check(
             NARROW=narrowed is not None,
             SANITIZE=sanitized is not None,
             BLOCK=BLOCK,
-            FEATURES=next_power_of_2(max(num_rows.numel(), 1)),
+            FEATURES=min(next_power_of_2(max(num_rows.numel(), 1)), MAX_FEATURES),
             num_warps=NUM_WARPS,
         )

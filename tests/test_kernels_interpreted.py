@@ -376,15 +376,18 @@ def _checked_oracle(values, offsets, lengths, rows, B):
 
 
 @_interpreted
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_ids_check_over_many_programs_matches_the_element_by_element_oracle(k, seed, monkeypatch):
     """Programs of a few ids each, so that a program's ids and offsets span several
     features, none, or start inside one (the kernel walks only the features of its own
-    range): many features, empty ones, tiny and empty batches, out-of-range ids and
-    negative lengths, against ``_checked_oracle``."""
+    range), and the features' starts read in chunks: many features, empty ones, tiny
+    and empty batches, out-of-range ids and negative lengths, against
+    ``_checked_oracle``."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     monkeypatch.setattr(k.ids_check, "BLOCK", rnd.choice([2, 4, 8, 16]))
+    # The features' starts read a chunk at a time, the chunks' running maximum carried.
+    monkeypatch.setattr(k.ids_check, "MAX_FEATURES", rnd.choice([1, 4, 1024]))
     for _ in range(4):
         F = rnd.randint(1, 40)
         B = rnd.choice([0, 1, 2, rnd.randint(3, 9)])
@@ -394,6 +397,8 @@ def test_ids_check_over_many_programs_matches_the_element_by_element_oracle(k, s
         lengths, values, offsets = _spoiled(rnd, rnd.choice(problems), rows, lengths, values)
         if values.numel() and rnd.random() < 0.3:
             values[rnd.randrange(values.numel())] = int(rows.max()) + 1
+        if rnd.random() < 0.3:  # offsets out of order and past the ids, whatever the lengths say
+            offsets = torch.randint(-3, values.numel() + 4, (offsets.numel(),), generator=g)
         verdict = torch.full((2,), k.ids_check.NONE, dtype=torch.int64)
         ids, safe = torch.empty(values.numel(), dtype=torch.int64), torch.empty(offsets.numel(), dtype=torch.int64)
         k.ids_check.ids_check(values, offsets, lengths, rows, verdict, B, sanitized=(ids, safe))
