@@ -40,7 +40,8 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 NONE = 2**62
 BLOCK = 1024
 NUM_WARPS = 4
-#: Features' starts read at once, at most (more are read in chunks of this many).
+#: Features' starts read at once, at most (more are read in chunks of this many); a
+#: power of two, as every block of a Triton program.
 MAX_FEATURES = 1024
 
 

@@ -78,7 +78,7 @@ def local_finish_kernel(
     bad_pos = tl.load(verdict_ptr)
     negative_pos = tl.load(verdict_ptr + 1)
     total = tl.load(offsets_ptr + num_features * batch).to(tl.int64)
-    # Every program decides as the header says (the verdict is not written meanwhile).
+    # Decided as the header of an exchange's slot would say.
     status, d0, d1, d2 = batch_status(
         bad_pos,
         negative_pos,

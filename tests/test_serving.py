@@ -4,6 +4,7 @@ TorchRec's quantized serving path, the float table_wise model; graphs are GPU-on
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -94,7 +95,7 @@ def test_paired_step_times_interleave_the_paths_and_time_each_alone():
     def path(n):
         def fn(i):
             calls.append((n, i))
-            time.sleep(0.002 * (1 + 2 * n))
+            time.sleep(0.001 if n == 0 else 0.02)
 
         return fn
 
@@ -104,7 +105,8 @@ def test_paired_step_times_interleave_the_paths_and_time_each_alone():
     runs = [calls[2 + 2 * i : 4 + 2 * i] for i in range(6)]
     assert [run[0][0] for run in runs] == [0, 1, 0, 1, 0, 1], "each run starts from another path"
     assert all(run[0][1] == run[1][1] == i for i, run in enumerate(runs))
-    assert min(times[1]) > max(times[0]) and min(times[0]) >= 2.0
+    assert min(times[0]) >= 1.0 and min(times[1]) >= 20.0
+    assert statistics.median(times[1]) > 5 * statistics.median(times[0])
 
 
 def test_runs_on_one_cpu_rank_with_torchrecs_serving_path(tmp_path):

@@ -379,12 +379,15 @@ def run(
         paired = world == 1 and tr_model is not None
 
         def timed(ours_path: str, ours_fn: Any, tr_path: str, tr_fn: Any) -> None:
-            """Times ours and TorchRec's (either may be None) at this batch size."""
+            """Times ours and TorchRec's (either may be None) at this batch size. Every
+            rank calls it, at the same points: ours steps every rank, so no rank starts
+            before rank 0 is done with what it did alone."""
             with torch.no_grad():
                 if paired and ours_fn is not None and tr_fn is not None:
                     fns = [step_of(ours_fn, kjts), step_of(tr_fn, tr_kjts)]
                     times[ours_path], times[tr_path] = timing.paired_step_times(fns, args.iters, args.warmup, device)
                     return
+                dist.barrier(group=host_pg)
                 if ours_fn is not None:
                     times[ours_path] = latencies(step_of(ours_fn, kjts), args.iters, args.warmup, device, pg)
                 if tr_fn is not None:
@@ -407,7 +410,10 @@ def run(
         progress.update()
 
         # TorchRec's capture last: a capture that fails may leave the device's state
-        # behind it unclear.
+        # behind it unclear. On more ranks ours is timed first (every rank steps it,
+        # none waiting for rank 0's capture); at world size 1 after, interleaved.
+        if not paired:
+            timed("pgas graphed", step, "torchrec quant graphed", None)
         tr_step = None
         if tr_model is not None and not tr_graph_note:
             try:
@@ -421,7 +427,10 @@ def run(
                 tr_graph_note = _failure(e)  # not tried again: the same step fails the same way
         if tr_model is not None:
             notes["torchrec quant graphed"] = tr_graph_note
-        timed("pgas graphed", step, "torchrec quant graphed", tr_step)
+        if paired:
+            timed("pgas graphed", step, "torchrec quant graphed", tr_step)
+        else:
+            timed("pgas graphed", None, "torchrec quant graphed", tr_step)
         raise_errors(ours, wait=True)
         progress.update(2)
         del ours, step, tr_step
