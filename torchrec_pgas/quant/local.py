@@ -41,10 +41,11 @@ class LocalServing:
     ``features``, in that order (the lookup's). ``dim``: the output's width; ``name``
     names the steps in errors.
 
-    It owns a few words on the device (the verdict of the checks, the step clock) and the ring of step records in pinned
-    host memory; nothing to free but what garbage collection frees. Listed among the module's exchanges, it
-    answers what ``torchrec_pgas.graphs`` asks of one (``raise_errors``,
-    ``step_counters``, ``advance``)."""
+    It owns a few words on the device (the verdict of the checks, the step clock) and
+    the ring of step records in pinned host memory; nothing to free but what garbage
+    collection frees. Listed among the module's exchanges, it answers what
+    ``torchrec_pgas.graphs`` asks of one (``raise_errors``, ``step_counters``,
+    ``advance``)."""
 
     def __init__(
         self,
