@@ -18,7 +18,12 @@ A rank's puts to itself are plain copies (``COPY`` bytes at a time, in the wides
 the addresses and sizes allow), counted in with a release add to its own signal after
 the block's barrier: NVSHMEM's block put to the calling PE copies through the same path
 as to a peer, at a fraction of the GPU's copy bandwidth (CHANGELOG.md has the
-measurement).
+measurement). Given the row of the rank itself (``self_row``) and a ``done`` buffer,
+each share of that copy is split among ``SELF_SPLIT`` programs: ``PROGRAMS_PER_PEER``
+programs, one multiprocessor each, hold too few loads in flight to copy at the GPU's
+bandwidth, and the copy to the rank itself is the whole exchange at world size 1. The
+last program of a share to finish (``done``, acquire-release at GPU scope) adds the
+share's one to the signal, so ``arrived`` counts the same for every source.
 
 Buffers:
     peers:   int32 [P]             destination rank of program row p
@@ -29,7 +34,11 @@ Buffers:
                                    rank q released
     err:     int64 [4]             error record (see ``signals.py``)
     step:    int64 [1]             the step is ``step[0] + step_add`` (``StepRef``)
+    done:    int64 [PROGRAMS]      with ``SPLIT`` > 1: programs of each share of the
+                                   self row finished (zero between launches)
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -37,10 +46,13 @@ import triton.language as tl
 
 from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.launch import Launcher
-from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, wait_ge
+from torchrec_pgas.kernels.signals import WAIT_SLOT_FREE, last_to_finish, wait_ge
 from torchrec_pgas.kernels.step_clock import StepRef, read_step
 
 PROGRAMS_PER_PEER = 32
+#: Programs per share of a rank's copy to itself (with ``self_row``): 32 x 16 programs
+#: of ``NUM_WARPS`` warps, a few per multiprocessor.
+SELF_SPLIT = 16
 #: Shares start at multiples of this many bytes, so the block copies stay vectorized.
 ALIGN = 16
 NUM_WARPS = 4
@@ -88,8 +100,13 @@ def copy_bytes(dst, src, size, COPY: tl.constexpr):
         _copy(dst.to(u8, bitcast=True), src.to(u8, bitcast=True), size, COPY // 8, False)
 
 
+@triton.jit
+def _count_in(sig):
+    tl.atomic_add(sig.to(tl.pointer_type(tl.uint64), bitcast=True), 1, sem="release", scope="sys")
+
+
 @nv.uses_nvshmem
-@triton.jit(do_not_specialize=["me", "step_add", "wait_depth", "timeout_ns"])
+@triton.jit(do_not_specialize=["me", "num_rows", "self_row", "step_add", "wait_depth", "timeout_ns"])
 def put_signal_kernel(
     peers_ptr,
     chunks_ptr,
@@ -98,17 +115,34 @@ def put_signal_kernel(
     free_ptr,
     err_ptr,
     step_ptr,
+    done_ptr,
     me: tl.int64,
+    num_rows: tl.int64,
+    self_row: tl.int64,
     step_add: tl.int64,
     wait_depth: tl.int64,
     timeout_ns: tl.int64,
     NCHUNK: tl.constexpr,
     PROGRAMS: tl.constexpr,
+    SPLIT: tl.constexpr,
     ALIGN: tl.constexpr,
     COPY: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    j = tl.program_id(1)
+    # The rows of other ranks first, ``PROGRAMS`` programs each (program ``j`` puts share
+    # ``j`` of every chunk), then with ``SPLIT`` > 1 the self row's ``PROGRAMS * SPLIT``
+    # (program ``k`` of share ``j`` copies part ``j * SPLIT + k``).
+    i = tl.program_id(0).to(tl.int64)
+    p = i // PROGRAMS
+    j = i % PROGRAMS
+    parts = PROGRAMS
+    part = j
+    if SPLIT > 1:
+        others = (num_rows - 1) * PROGRAMS
+        mine = i >= others
+        p = tl.where(mine, self_row, p + (p >= self_row).to(tl.int64))
+        j = tl.where(mine, (i - others) // SPLIT, j)
+        parts = tl.where(mine, PROGRAMS * SPLIT, PROGRAMS)
+        part = tl.where(mine, i - others, j)
     peer = tl.load(peers_ptr + p)
     sig = ready_base + me * 8
     step = read_step(step_ptr, step_add)
@@ -123,8 +157,8 @@ def put_signal_kernel(
         for c in tl.static_range(NCHUNK):
             row = chunks_ptr + (p * NCHUNK + c) * 3
             nbytes = tl.load(row + 2)
-            share = tl.cdiv(tl.cdiv(nbytes, PROGRAMS), ALIGN) * ALIGN
-            start = tl.minimum(j * share, nbytes)
+            share = tl.cdiv(tl.cdiv(nbytes, parts), ALIGN) * ALIGN
+            start = tl.minimum(part * share, nbytes)
             size = tl.minimum(share, nbytes - start)
             dst = dst_base + tl.load(row) + start
             src = tl.load(row + 1) + start
@@ -135,7 +169,13 @@ def put_signal_kernel(
                     # Every thread's copies are done before the count (release: the
                     # data is visible to whoever acquires the signal).
                     tl.debug_barrier()
-                    tl.atomic_add(sig.to(tl.pointer_type(tl.uint64), bitcast=True), 1, sem="release", scope="sys")
+                    if SPLIT > 1:
+                        # The share's last program counts it in (the self row is this
+                        # rank's only row with ``peer == me``).
+                        if last_to_finish(done_ptr + j, SPLIT):
+                            _count_in(sig)
+                    else:
+                        _count_in(sig)
             elif c < NCHUNK - 1:
                 if size > 0:
                     nv.putmem_nbi_block(dst, src, size, peer)
@@ -166,11 +206,19 @@ def put_signal(
     step: StepRef,
     wait_depth: int,
     timeout_ns: int,
+    self_row: int = -1,
+    done: Optional[torch.Tensor] = None,
 ) -> None:
-    """Launches ``(P, PROGRAMS_PER_PEER)`` programs, or ``(P, 1)`` for a pure release
-    (see the module docstring); ``wait_depth`` 0: no wait for a free slot."""
+    """Launches ``PROGRAMS_PER_PEER`` programs per row of ``peers``, or one for a pure
+    release (see the module docstring); ``wait_depth`` 0: no wait for a free slot.
+    With ``self_row`` (the row whose peer is ``me``) and ``done`` (int64
+    ``[PROGRAMS_PER_PEER]``, zero), that row's copy runs on ``SELF_SPLIT`` times as
+    many programs."""
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
-    grid = (peers.numel(), PROGRAMS_PER_PEER if nchunk else 1)
+    programs = PROGRAMS_PER_PEER if nchunk else 1
+    split = SELF_SPLIT if nchunk and self_row >= 0 and done is not None else 1
+    rows = peers.numel()
+    grid = ((rows + split - 1) * programs,)
     _launcher[grid](
         peers,
         chunks,
@@ -179,12 +227,16 @@ def put_signal(
         free,
         err,
         step.word,
+        done if split > 1 else free,
         me,
+        rows,
+        self_row,
         step.add,
         wait_depth,
         timeout_ns,
         NCHUNK=nchunk,
-        PROGRAMS=PROGRAMS_PER_PEER,
+        PROGRAMS=programs,
+        SPLIT=split,
         ALIGN=ALIGN,
         COPY=COPY,
         num_warps=NUM_WARPS,

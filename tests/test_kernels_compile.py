@@ -61,16 +61,23 @@ CASES = {
             "free_ptr": "*i64",
             "err_ptr": "*i64",
             "step_ptr": "*i64",
+            "done_ptr": "*i64",
             "me": "i32",
+            "num_rows": "i64",
+            "self_row": "i64",
             "step_add": "i64",
             "wait_depth": "i64",
             "timeout_ns": "i64",
             "NCHUNK": "constexpr",
             "PROGRAMS": "constexpr",
+            "SPLIT": "constexpr",
             "ALIGN": "constexpr",
             "COPY": "constexpr",
         },
-        [{"NCHUNK": n, "PROGRAMS": 32, "ALIGN": 16, "COPY": put_signal.COPY} for n in (4, 13, 1, 0)],
+        [
+            {"NCHUNK": n, "PROGRAMS": 32 if n else 1, "SPLIT": split, "ALIGN": 16, "COPY": put_signal.COPY}
+            for n, split in ((4, 1), (13, 1), (1, 1), (0, 1), (4, put_signal.SELF_SPLIT), (1, put_signal.SELF_SPLIT))
+        ],
     ),
     "signal_wait": (
         signal_wait_kernel,
@@ -562,7 +569,7 @@ def test_put_signal_copies_its_own_share_in_words_and_releases_the_count_after_i
     after every chunk's stores; the copy keeps the kernel's registers at most 64 (every
     program of the launch, the peers' too, is compiled with the most any path needs)."""
     for nchunk in (1, 4, 13):
-        ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=nchunk), put_signal.NUM_WARPS)
+        ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=nchunk, SPLIT=1), put_signal.NUM_WARPS)
         stores = [m.start() for m in re.finditer(r"st\.global\.v2\.b64", ptx)]
         assert ptx.count("ld.global.v2.b64") >= nchunk and len(stores) >= nchunk
         assert ptx.count("atom.global.sys.release.add.u64") == 1
@@ -572,6 +579,26 @@ def test_put_signal_copies_its_own_share_in_words_and_releases_the_count_after_i
         assert _registers(ptx) <= 64
     ptx = _ptx("put_signal", _variant("put_signal", NCHUNK=0), put_signal.NUM_WARPS)
     assert "v2.b64" not in ptx and "atom.global.sys.release" not in ptx, "a pure release copies nothing"
+
+
+def test_put_signal_split_self_copy_counts_each_share_in_once_after_its_programs():
+    """With the self row split among ``SELF_SPLIT`` programs per share, a program ticks
+    its share's ``done`` word (acquire-release at GPU scope) after the block's barrier
+    and its last stores, and only the last adds the share's one to the signal (release
+    at system scope), after that tick: one count per share, every part's copy
+    published by it."""
+    for nchunk in (1, 4):
+        ptx = _ptx(
+            "put_signal", _variant("put_signal", NCHUNK=nchunk, SPLIT=put_signal.SELF_SPLIT), put_signal.NUM_WARPS
+        )
+        stores = [m.start() for m in re.finditer(r"st\.global\.v2\.b64", ptx)]
+        assert ptx.count("atom.global.sys.release.add.u64") == 1
+        ticks = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
+        assert len(ticks) == 1, "one tick of the share's done word"
+        barrier = ptx.rfind("bar.sync", 0, ticks[0])
+        assert barrier > max(stores) and "st.global" not in ptx[barrier : ticks[0]]
+        assert ticks[0] < ptx.index("atom.global.sys.release.add.u64")
+        assert _registers(ptx) <= 64
 
 
 def _registers(ptx: str) -> int:

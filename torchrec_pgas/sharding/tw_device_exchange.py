@@ -154,6 +154,8 @@ class DeviceTwExchange(DeviceTwSetup):
             self._sent_step,
             buffers.depth,
             self._t.timeout_ns,
+            self_row=self._me,
+            done=buffers.ids_put_done,
         )
         reported = x.batch if x.batch <= layout.batch_capacity else 0
         rows = _output_rows(kjt, reported, x.problem is not None, layout.batch_capacity)
