@@ -11,7 +11,8 @@ kernels and an occupancy query), costs the host more than the device.
 Each program waits for the slots, then takes the next block of ``BLOCK`` bags in
 lookup order (a ticket, so that the blocks before its own are held by programs that
 already run), publishes its block's total length, adds up the totals of the blocks
-before it (spinning until each is published; they never wait on a later block) and
+before it (spinning until each is published, reading them with volatile loads; they
+never wait on a later block) and
 writes its bags' cumulative lengths to ``offsets[1:]``. The program with ticket 0 also
 writes the headers, the step and ``offsets[0] = 0``; the last one to finish zeroes
 ``scan`` for the next launch and ticks the ``RECV`` word of the clock.
@@ -131,9 +132,12 @@ def bag_offsets_kernel(
     for start in range(0, ticket, LOOK):
         i = start + tl.arange(0, LOOK)
         earlier = i < ticket
-        seen = tl.atomic_add(totals + i, 0, mask=earlier, sem="acquire", scope="gpu")
+        # A total is the only thing read on its publication, so volatile loads (from
+        # L2, vectorized) do: a read-modify-write per total serializes the programs'
+        # look-backs on the totals' few cache lines.
+        seen = tl.load(totals + i, mask=earlier, other=0, volatile=True)
         while tl.sum((earlier & ((seen & PUBLISHED) == 0)).to(tl.int32)) > 0:
-            seen = tl.atomic_add(totals + i, 0, mask=earlier, sem="acquire", scope="gpu")
+            seen = tl.load(totals + i, mask=earlier, other=0, volatile=True)
         before += tl.sum(tl.where(earlier, seen & ~PUBLISHED, 0))
     bag = (f * num_sources + s) * batch_capacity + b
     tl.store(offsets_ptr + 1 + bag, before + tl.cumsum(n, 0), mask=(b < batch_capacity) & mine)
