@@ -101,6 +101,28 @@ def copy_bytes(dst, src, size, COPY: tl.constexpr):
 
 
 @triton.jit
+def program_share(pid, num_rows, self_row, PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
+    """Program ``pid``'s row of ``peers``, its share ``j`` (the count it belongs to),
+    and the part of every chunk it moves: ``part`` of ``parts`` equal parts. The rows
+    of other ranks come first, ``PROGRAMS`` programs each (program ``j`` puts share
+    ``j``); then, with ``SPLIT`` > 1, the self row's ``PROGRAMS * SPLIT`` (program ``k``
+    of share ``j`` copies part ``j * SPLIT + k``)."""
+    i = pid.to(tl.int64)
+    p = i // PROGRAMS
+    j = i % PROGRAMS
+    parts = PROGRAMS
+    part = j
+    if SPLIT > 1:
+        others = (num_rows - 1) * PROGRAMS
+        mine = i >= others
+        p = tl.where(mine, self_row, p + (p >= self_row).to(tl.int64))
+        j = tl.where(mine, (i - others) // SPLIT, j)
+        parts = tl.where(mine, PROGRAMS * SPLIT, PROGRAMS)
+        part = tl.where(mine, i - others, j)
+    return p, j, parts, part
+
+
+@triton.jit
 def _count_in(sig):
     tl.atomic_add(sig.to(tl.pointer_type(tl.uint64), bitcast=True), 1, sem="release", scope="sys")
 
@@ -128,21 +150,7 @@ def put_signal_kernel(
     ALIGN: tl.constexpr,
     COPY: tl.constexpr,
 ):
-    # The rows of other ranks first, ``PROGRAMS`` programs each (program ``j`` puts share
-    # ``j`` of every chunk), then with ``SPLIT`` > 1 the self row's ``PROGRAMS * SPLIT``
-    # (program ``k`` of share ``j`` copies part ``j * SPLIT + k``).
-    i = tl.program_id(0).to(tl.int64)
-    p = i // PROGRAMS
-    j = i % PROGRAMS
-    parts = PROGRAMS
-    part = j
-    if SPLIT > 1:
-        others = (num_rows - 1) * PROGRAMS
-        mine = i >= others
-        p = tl.where(mine, self_row, p + (p >= self_row).to(tl.int64))
-        j = tl.where(mine, (i - others) // SPLIT, j)
-        parts = tl.where(mine, PROGRAMS * SPLIT, PROGRAMS)
-        part = tl.where(mine, i - others, j)
+    p, j, parts, part = program_share(tl.program_id(0), num_rows, self_row, PROGRAMS, SPLIT)
     peer = tl.load(peers_ptr + p)
     sig = ready_base + me * 8
     step = read_step(step_ptr, step_add)
@@ -195,6 +203,12 @@ def arrived(step: int) -> int:
 _launcher = Launcher(put_signal_kernel)
 
 
+def grid_size(rows: int, programs: int, split: int) -> int:
+    """Programs of a launch over ``rows`` rows of ``programs`` each, the self row's
+    ``split`` times as many (``program_share``)."""
+    return (rows + split - 1) * programs
+
+
 def put_signal(
     peers: torch.Tensor,
     chunks: torch.Tensor,
@@ -217,9 +231,7 @@ def put_signal(
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
     programs = PROGRAMS_PER_PEER if nchunk else 1
     split = SELF_SPLIT if nchunk and self_row >= 0 and done is not None else 1
-    rows = peers.numel()
-    grid = ((rows + split - 1) * programs,)
-    _launcher[grid](
+    _launcher[(grid_size(peers.numel(), programs, split),)](
         peers,
         chunks,
         dst.data_ptr(),
@@ -229,7 +241,7 @@ def put_signal(
         step.word,
         done if split > 1 else free,
         me,
-        rows,
+        peers.numel(),
         self_row,
         step.add,
         wait_depth,

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Capacity, Header, IdsSlotLayout, Status  # noqa: E402
-from torchrec_pgas.kernels.put_signal import copy_bytes  # noqa: E402
+from torchrec_pgas.kernels.put_signal import copy_bytes, grid_size, program_share  # noqa: E402
 from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, StepRef  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -1316,3 +1316,41 @@ def test_self_copy_of_put_signal_at_every_alignment(seed):
         expected = torch.zeros(size + 32, dtype=torch.uint8)
         expected[at_dst : at_dst + size] = src[at_src : at_src + size]
         assert torch.equal(dst, expected), (case, size, at_src, at_dst)
+
+
+@triton.jit
+def _shares(out, num_rows: tl.int64, self_row: tl.int64, PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
+    """Each program's ``program_share``, as a row of ``out``."""
+    pid = tl.program_id(0)
+    p, j, parts, part = program_share(pid, num_rows, self_row, PROGRAMS, SPLIT)
+    row = out + pid * 4
+    tl.store(row, p)
+    tl.store(row + 1, j)
+    tl.store(row + 2, part * 0 + parts)
+    tl.store(row + 3, part)
+
+
+@_interpreted
+@pytest.mark.parametrize("split", [1, 3, 16])
+def test_put_signal_programs_cover_every_part_of_every_row_once(split):
+    """Over ``put_signal``'s grid, every row's parts are moved by exactly one program
+    each: ``PROGRAMS`` parts for a peer's row, ``PROGRAMS * split`` for the self row
+    (given), whose share ``j`` (the one count its last program adds) has exactly
+    ``split`` programs, the parts ``j * split ...``; rows in any position of the
+    peers, from 1 to 8 rows."""
+    programs = 4
+    for rows in range(1, 9):
+        for self_row in range(rows) if split > 1 else [-1, 0, rows - 1]:
+            n = grid_size(rows, programs, split)
+            out = torch.full((n, 4), -7, dtype=torch.int64)
+            _shares[(n,)](out, rows, self_row, PROGRAMS=programs, SPLIT=split)
+            seen = {}
+            for p, j, parts, part in out.tolist():
+                seen.setdefault(p, []).append((j, parts, part))
+            assert sorted(seen) == list(range(rows)), (rows, self_row)
+            for p, got in seen.items():
+                wide = split > 1 and p == self_row
+                parts = programs * split if wide else programs
+                assert sorted(part for _, _, part in got) == list(range(parts)), (rows, self_row, p)
+                assert all(n_parts == parts for _, n_parts, _ in got)
+                assert all(j == (part // split if wide else part) for j, _, part in got)
