@@ -132,9 +132,9 @@ def bag_offsets_kernel(
     for start in range(0, ticket, LOOK):
         i = start + tl.arange(0, LOOK)
         earlier = i < ticket
-        # A total is the only thing read on its publication, so volatile loads (from
-        # L2, vectorized) do: a read-modify-write per total serializes the programs'
-        # look-backs on the totals' few cache lines.
+        # A total is the only thing read on its publication (flag and total are one
+        # word), so volatile loads do: a read-modify-write per total serialized the
+        # programs' look-backs on the totals' few cache lines.
         seen = tl.load(totals + i, mask=earlier, other=0, volatile=True)
         while tl.sum((earlier & ((seen & PUBLISHED) == 0)).to(tl.int32)) > 0:
             seen = tl.load(totals + i, mask=earlier, other=0, volatile=True)

@@ -23,7 +23,9 @@ each share of that copy is split among ``SELF_SPLIT`` programs: ``PROGRAMS_PER_P
 programs, one multiprocessor each, hold too few loads in flight to copy at the GPU's
 bandwidth, and the copy to the rank itself is the whole exchange at world size 1. The
 last program of a share to finish (``done``, acquire-release at GPU scope) adds the
-share's one to the signal, so ``arrived`` counts the same for every source.
+share's one to the signal, so ``arrived`` counts the same for every source. A program
+whose wait for a free slot timed out neither copies nor ticks (nor counts in, unsplit):
+after a timeout the exchange cannot go on, and the job restarts.
 
 Buffers:
     peers:   int32 [P]             destination rank of program row p
@@ -228,6 +230,7 @@ def put_signal(
     With ``self_row`` (the row whose peer is ``me``) and ``done`` (int64
     ``[PROGRAMS_PER_PEER]``, zero), that row's copy runs on ``SELF_SPLIT`` times as
     many programs."""
+    assert self_row < peers.numel(), f"self_row {self_row} of {peers.numel()} rows"
     nchunk = chunks.size(1) if chunks.dim() == 3 else 0
     programs = PROGRAMS_PER_PEER if nchunk else 1
     split = SELF_SPLIT if nchunk and self_row >= 0 and done is not None else 1

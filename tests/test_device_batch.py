@@ -95,6 +95,22 @@ def test_lookup_groups_as_tensors_hold_the_kjts_ids_in_each_streams_own_tensors(
         assert set(seen[1]).isdisjoint(seen[2]), "each stream has its own"
 
 
+def test_a_streams_send_scratch_is_its_own_and_its_put_counters_start_at_zero():
+    """A send's scratch (``StreamScratch.send``): the same for every send of a stream,
+    another stream's apart (two streams' sends may overlap), the share counters of
+    ``put_signal``'s split copy to the rank itself zero, one per share."""
+    from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER
+
+    layout = IdsSlotLayout.for_batch(3, 4, 64, Capacity(1.0))
+    scratch = device_batch.StreamScratch(torch.zeros(2, 1, 3, dtype=torch.int64), 3, layout, 2, torch.device("cpu"))
+    a, b = scratch.send(1), scratch.send(2)
+    assert scratch.send(1) is a
+    for field in a._fields:
+        assert getattr(a, field).data_ptr() != getattr(b, field).data_ptr(), field
+    assert a.put_done.shape == (PROGRAMS_PER_PEER,) and a.put_done.dtype == torch.int64
+    assert not a.put_done.any() and not b.put_done.any()
+
+
 def test_the_narrowed_lengths_of_a_stream_are_its_own_tensor():
     """A send's narrowed lengths (``StreamScratch.narrowed``): the stream's tensor,
     the same for every batch that fits the capacity, another stream's apart; a batch

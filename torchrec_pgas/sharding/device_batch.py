@@ -13,6 +13,7 @@ from torchrec_pgas.kernels.bag_offsets import scan_state
 from torchrec_pgas.kernels.gather_ids import gather_ids
 from torchrec_pgas.kernels.ids_check import NONE
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, BadDtype, Header, IdsSlotLayout, Status
+from torchrec_pgas.kernels.put_signal import PROGRAMS_PER_PEER
 from torchrec_pgas.sharding.device_routing import IdsRouting
 from torchrec_pgas.sharding.tw_base import TwFeature
 
@@ -173,6 +174,7 @@ class SendScratch(NamedTuple):
     verdict: torch.Tensor  # int64 [2], see ``ids_check``
     headers: torch.Tensor  # int64 [W, 8], see ``ids_header``
     chunks: torch.Tensor  # int64 [W, 3R + 1, 3], see ``ids_header``
+    put_done: torch.Tensor  # int64 [PROGRAMS_PER_PEER], zero: ``put_signal``'s ``done``
 
 
 class StreamScratch:
@@ -210,6 +212,7 @@ class StreamScratch:
                 verdict=torch.full((2,), NONE, dtype=torch.int64, device=self._dev),
                 headers=torch.empty(world, HEADER_WORDS, dtype=torch.int64, device=self._dev),
                 chunks=torch.empty(world, chunks, 3, dtype=torch.int64, device=self._dev),
+                put_done=torch.zeros(PROGRAMS_PER_PEER, dtype=torch.int64, device=self._dev),
             )
         return scratch
 

@@ -113,7 +113,7 @@ class DeviceTwExchange(DeviceTwSetup):
         if buffers.held is not None and self._send_step + 1 - buffers.held >= DEFAULT_DEPTH:
             buffers.release_held()
         self._make_room()
-        verdict, headers, chunks = self._scratch.send(stream)
+        verdict, headers, chunks, put_done = self._scratch.send(stream)
         text = None
         if x.problem is not None and x.problem[0] == Status.FAILED:
             text = self._failure_text(layout).to(self._dev)
@@ -155,7 +155,7 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.depth,
             self._t.timeout_ns,
             self_row=self._me,
-            done=buffers.ids_put_done,
+            done=put_done,
         )
         reported = x.batch if x.batch <= layout.batch_capacity else 0
         rows = _output_rows(kjt, reported, x.problem is not None, layout.batch_capacity)

@@ -44,7 +44,6 @@ _FREED = (
     "out_slots",
     "all_ranks",
     "_no_chunks",
-    "ids_put_done",
 )
 
 
@@ -133,9 +132,7 @@ class DeviceBuffers:
     each ``Symmetric`` (int64 ``[W]`` on the device), and ``out_free_peers`` and
     ``ids_free_peers`` (host lists), 0 for a peer served by NVSHMEM puts instead
     (``NvshmemTransport.direct``; ``put_path``: this rank has such a peer).
-    ``all_ranks``: int32 ``[W]``, ``0 .. W - 1``. ``ids_put_done``: int64
-    ``[PROGRAMS_PER_PEER]``, local, zero between launches: the programs of each share
-    of the ids put's copy to this rank itself (``put_signal``'s ``done``).
+    ``all_ranks``: int32 ``[W]``, ``0 .. W - 1``.
 
     Staging, for the kernels' put path: the source of a put must be symmetric memory,
     so rows for a peer without a mapping are stored into local symmetric staging and
@@ -192,7 +189,6 @@ class DeviceBuffers:
         self._held_step: Optional[StepRef] = None
         self.all_ranks = torch.arange(world, dtype=torch.int32, device=self._dev)
         self._no_chunks = torch.empty(world, 0, 3, dtype=torch.int64, device=self._dev)
-        self.ids_put_done = torch.zeros(PROGRAMS_PER_PEER, dtype=torch.int64, device=self._dev)
         self._views(sizes, elem)
         self._finalizer: Optional[weakref.finalize] = None
         self.owner_id = t.register(self)
