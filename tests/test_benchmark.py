@@ -211,7 +211,7 @@ def test_suite_runs_on_two_cpu_processes_and_writes_its_report(tmp_path):
     assert all(r["copy_gbps"] > 0 and r["memory_ms"] > 0 for r in rows)
     assert all((r["link_gbps"] > 0 and r["link_ms"] > 0) == (r["config"]["ranks"] > 1) for r in rows)
     assert all(r["floor_ms"] == max(r["memory_ms"], r["link_ms"]) for r in rows)
-    assert all(r["options"] == {"sparse_update": "fused", "remote_path": "auto"} for r in rows)  # our side's
+    assert all(r["options"] == {"sparse_update": "fused", "remote_path": "auto", "headroom": 2.0} for r in rows)
     table = open(os.path.join(out, "results.md")).read()
     assert table.count("pgas_table_wise vs table_wise") == 5 and "rounds" in table
     assert f"{host['alloc_us']:.1f} us per small allocation" in table.splitlines()[0]
@@ -383,12 +383,12 @@ def _options_reach_the_sharding(rank: int, world_size: int) -> None:
     from torchrec_pgas.benchmark.config import options_record, pgas_options
     from torchrec_pgas.types import PgasOptions
 
-    args = bench._parse(["--sparse-update", "fbgemm", "--remote-path", "put"])
+    args = bench._parse(["--sparse-update", "fbgemm", "--remote-path", "put", "--headroom", "1"])
     cfg = dataclasses.replace(Config(), tables=2, rows=64, batch_size=8, ranks=world_size)
     cpu, pg = torch.device("cpu"), dist.group.WORLD
     model = workload.build(cfg, "pgas_table_wise", cpu, pg, options=pgas_options(args))
-    assert model.module.ebc._pgas_options == PgasOptions(sparse_update="fbgemm", remote_path="put")
-    assert options_record(pgas_options(args)) == {"sparse_update": "fbgemm", "remote_path": "put"}
+    assert model.module.ebc._pgas_options == PgasOptions(sparse_update="fbgemm", remote_path="put", headroom=1.0)
+    assert options_record(pgas_options(args)) == {"sparse_update": "fbgemm", "remote_path": "put", "headroom": 1.0}
     assert workload.build(cfg, "pgas_table_wise", cpu, pg).module.ebc._pgas_options == PgasOptions()
     # The workload's optimizer trains both sides: row-wise Adagrad keeps a momentum per table.
     adagrad = dataclasses.replace(cfg, optimizer=bench._parse(["--optimizer", "rowwise_adagrad"]).optimizer)
@@ -399,17 +399,23 @@ def _options_reach_the_sharding(rank: int, world_size: int) -> None:
 
 
 def test_options_reach_our_sharding(capsys):
-    """``--sparse-update`` and ``--remote-path`` (defaults: ``PgasOptions``') are the
-    options our side's modules are built with, in the benchmark and its profile, and
-    ``--optimizer`` trains both sides; other values are refused."""
+    """``--sparse-update``, ``--remote-path`` and ``--headroom`` (defaults:
+    ``PgasOptions``') are the options our side's modules are built with, in the
+    benchmark and its profile, and ``--optimizer`` trains both sides; other values are
+    refused."""
     assert (bench._parse([]).sparse_update, bench._parse([]).remote_path) == ("fused", "auto")
     assert profile._parse(["--sparse-update", "fbgemm"]).sparse_update == "fbgemm"
     assert profile._parse(["--remote-path", "put"]).remote_path == "put"
     assert bench._parse([]).optimizer == "sgd" and profile._parse(["--optimizer", "rowwise_adagrad"])
+    assert profile._parse(["--headroom", "1.5"]).headroom == 1.5 and bench._parse([]).headroom == 2.0
     for bad in (["--sparse-update", "adam"], ["--remote-path", "ib"], ["--optimizer", "adam"]):
         with pytest.raises(SystemExit):
             bench._parse(bad)
         assert f"invalid choice: '{bad[1]}'" in capsys.readouterr().err
+    for bad, why in (("0.5", "must be a number from 1 to"), ("nan", "must be a number"), ("x", "could not convert")):
+        with pytest.raises(SystemExit):
+            profile._parse(["--headroom", bad])
+        assert "argument --headroom: " in (err := capsys.readouterr().err) and why in err
     run_ranks(_options_reach_the_sharding, 1)
 
 

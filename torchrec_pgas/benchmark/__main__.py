@@ -36,8 +36,11 @@ eager only (``TORCHREC_NOT_GRAPHED`` says why).
 (``PgasOptions.sparse_update``; one read-back per step, not capturable) instead of our
 fused update, to compare the two against TorchRec's in separate runs. ``--remote-path put``
 builds it with NVSHMEM puts to every peer (``PgasOptions.remote_path``: the path between
-nodes) instead of stores through peer mappings, to measure that path inside a node. Each
-row records our side's options (``options``).
+nodes) instead of stores through peer mappings, to measure that path inside a node.
+``--headroom`` sizes our buffers at that many times the first batch
+(``PgasOptions.headroom``, default 2): the fused update sorts the index tensor's whole
+capacity, so 1 shows what the headroom costs a training step. Each row records our
+side's options (``options``).
 """
 
 import argparse

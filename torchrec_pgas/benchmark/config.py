@@ -5,7 +5,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torchrec_pgas.types import PgasOptions, RemotePath, SparseUpdate
 
@@ -170,16 +170,30 @@ def add_options_args(p: argparse.ArgumentParser) -> None:
         help="how our GPU side writes into peers (PgasOptions.remote_path): 'put' takes NVSHMEM "
         "puts for every peer, the path between nodes, inside one node too",
     )
+    p.add_argument(
+        "--headroom",
+        type=_headroom,
+        default=PgasOptions().headroom,
+        help="our buffers' size over the first batch's (PgasOptions.headroom): the fused "
+        "update sorts the whole index capacity, so 1 sorts only the first batch's ids",
+    )
+
+
+def _headroom(text: str) -> float:
+    try:
+        return PgasOptions(headroom=float(text)).headroom
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def pgas_options(args: argparse.Namespace) -> PgasOptions:
     """The ``PgasOptions`` of ``add_options_args``'s arguments."""
-    return PgasOptions(sparse_update=args.sparse_update, remote_path=args.remote_path)
+    return PgasOptions(sparse_update=args.sparse_update, remote_path=args.remote_path, headroom=args.headroom)
 
 
-def options_record(options: PgasOptions) -> Dict[str, str]:
+def options_record(options: PgasOptions) -> Dict[str, Any]:
     """The options a results row records (``add_options_args``'), by field."""
-    return {"sparse_update": options.sparse_update, "remote_path": options.remote_path}
+    return {"sparse_update": options.sparse_update, "remote_path": options.remote_path, "headroom": options.headroom}
 
 
 def base_config(args: argparse.Namespace, world: int) -> Config:
