@@ -597,7 +597,15 @@ def test_put_signal_split_self_copy_counts_each_share_in_once_after_its_programs
         assert len(ticks) == 1, "one tick of the share's done word"
         barrier = ptx.rfind("bar.sync", 0, ticks[0])
         assert barrier > max(stores) and "st.global" not in ptx[barrier : ticks[0]]
-        assert ticks[0] < ptx.index("atom.global.sys.release.add.u64")
+        release = ptx.index("atom.global.sys.release.add.u64")
+        assert ticks[0] < release
+        # Only the last of the share's programs counts in (the tick returned SPLIT - 1)
+        # and leaves the word at zero for the next launch.
+        between = ptx[ticks[0] : release]
+        assert re.search(rf"setp\.ne\.b64\s+(%p\d+), %rd\d+, {put_signal.SELF_SPLIT - 1};", between)
+        assert "atom.global.gpu.relaxed.exch.b64" in between
+        (skip,) = re.findall(r"@%p\d+ bra\s+(\$L__BB\d+_\d+);", between)
+        assert ptx.index(f"{skip}:") > release, "the other programs branch past the count"
         assert _registers(ptx) <= 64
 
 
