@@ -541,6 +541,66 @@ def test_report_refuses_a_results_file_without_rows(tmp_path):
         report.main([str(empty)])
 
 
+def _run_rows(times, graphed=True, extra=()):
+    """Rows of a sweep: per batch size ``short``, TorchRec's and our times (ms)."""
+    rows = []
+    for short, (theirs, ours) in times.items():
+        for pair in (("table_wise", "pgas_table_wise"), ("row_wise", "pgas_row_wise")):
+            mine = {"forward_ms": ours, "train_ms": 2 * ours}
+            if graphed:
+                mine["forward_graphed_ms"] = ours / 2
+            rows.append(
+                {
+                    "scenario": "r1",
+                    "short": short,
+                    "pair": list(pair),
+                    "baseline": {"forward_ms": theirs, "train_ms": 2 * theirs},
+                    "ours": mine,
+                }
+            )
+    return rows + list(extra)
+
+
+def test_report_compares_runs_on_the_configurations_they_share(tmp_path, capsys):
+    """Several results files: one line per configuration and pair every run has, each
+    measurement's speed-up in each run in the labels' order (graphed where a run has
+    it, n/a where not); the plot is drawn; runs that share nothing, or labels that do
+    not name every run, are refused."""
+    g = torch.Generator().manual_seed(11)
+    sizes = ["512", "8192", "65536"]
+    before = {s: (1.0 + float(torch.rand((), generator=g)), 0.5 + float(torch.rand((), generator=g))) for s in sizes}
+    after = {s: (before[s][0], before[s][1] * 0.8) for s in sizes[1:]}  # no 512 run
+    extra = [dict(_run_rows({"9": (1.0, 1.0)})[0], scenario="dlrm")]  # only in the first run
+    paths = []
+    for name, rows in (("before", _run_rows(before, extra=extra)), ("after", _run_rows(after, graphed=False))):
+        (tmp_path / name).mkdir()
+        paths.append(str(tmp_path / name / "results.json"))
+        with open(paths[-1], "w") as f:
+            json.dump({"meta": {}, "rows": rows}, f)
+    report.main(paths + ["--out", str(tmp_path / "cmp")])
+    table = open(tmp_path / "cmp" / "compare.md").read()
+    assert table == capsys.readouterr().out.rstrip("\n") + "\n"
+    assert table.startswith("TorchRec's eager time over ours, per run: before / after")
+    lines = [line for line in table.splitlines() if line.startswith("| r1 ")]
+    assert len(lines) == 4 and "dlrm" not in table and "| 512 |" not in table
+    for line, (short, pair) in zip(lines, [(s, p) for s in sizes[1:] for p in ("table_wise", "row_wise")]):
+        theirs, ours = before[short]
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:3] == ["r1", short, f"pgas_{pair} vs {pair}"]
+        assert cells[3] == f"{theirs / ours:.2f}x / {theirs / (ours * 0.8):.2f}x"  # forward
+        assert cells[4] == f"{theirs / (ours / 2):.2f}x / n/a"  # forward graphed: the first run's only
+        assert cells[5] == f"{theirs / ours:.2f}x / {theirs / (ours * 0.8):.2f}x"  # training
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    report.main(paths[::-1] + ["--labels", "new,old"])
+    assert capsys.readouterr().out.startswith("TorchRec's eager time over ours, per run: new / old")
+    with pytest.raises(SystemExit, match="--labels names 1 runs, 2 results files given"):
+        report.main(paths + ["--labels", "one"])
+    lone = tmp_path / "lone.json"
+    lone.write_text(json.dumps({"meta": {}, "rows": extra}))
+    with pytest.raises(SystemExit, match="share no configuration and pair"):
+        report.main([paths[1], str(lone)])
+
+
 def test_profile_cuda_graph_option_parses_with_batch_sizes_and_refuses_cpus(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = profile._parse(["--cuda-graph", "--batch-sizes", "1024,8192", "--replays", "7", "--warmup", "0"])

@@ -4,6 +4,14 @@ A results file of any version of the benchmark renders again (older ones lack th
 floor's parts, or the graphed times; their cells say n/a):
 
     python -m torchrec_pgas.benchmark.report bench/results.json [--out DIR]
+
+Several results files (runs of two trees, say) are compared: for every configuration
+and pair they share, TorchRec's eager time over ours in each run, eager and graphed, as
+a table (``compare.md``) and a plot of the speed-ups against the configurations, a
+panel per scenario and pair, a line style per run (``compare.png``):
+
+    python -m torchrec_pgas.benchmark.report before/results.json after/results.json \
+        --labels before,after --out DIR
 """
 
 import argparse
@@ -248,18 +256,125 @@ def load(path: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     return results.get("rows", []), results.get("meta", {})
 
 
+def _speedup(row: Dict[str, Any], key: str) -> Optional[float]:
+    """TorchRec's eager time over ours for ``key`` (eager or graphed), if measured."""
+    if key not in row.get("ours", {}) or eager(key) not in row.get("baseline", {}):
+        return None
+    return row["baseline"][eager(key)] / row["ours"][key]
+
+
+def _shared(runs: Sequence[List[Dict[str, Any]]]) -> List[Tuple[str, str, Tuple[str, ...]]]:
+    """The (scenario, configuration, pair) of the rows every run has, in the first run's order."""
+    keys = [[(r["scenario"], r["short"], tuple(r["pair"])) for r in rows] for rows in runs]
+    return [k for k in keys[0] if all(k in other for other in keys[1:])]
+
+
+def compare_markdown(runs: Sequence[List[Dict[str, Any]]], labels: Sequence[str]) -> str:
+    """One line per configuration and pair that every run has: per measurement, the
+    speed-up over TorchRec in each run (``labels`` order), eager then graphed."""
+    index = [{(r["scenario"], r["short"], tuple(r["pair"])): r for r in rows} for rows in runs]
+    keys = [k for key, _ in METRICS for k in (key, graphed(key))]
+    shown = [k for k in keys if any(_speedup(r, k) is not None for rows in runs for r in rows)]
+    names = dict(METRICS)
+    head = [f"{names[eager(k)]}{' graphed' if k != eager(k) else ''}" for k in shown]
+    lines = [
+        f"TorchRec's eager time over ours, per run: {' / '.join(labels)}",
+        "",
+        "| scenario | configuration | pair | " + " | ".join(head) + " |",
+        "|---|---|---|" + "---|" * len(shown),
+    ]
+    for key in _shared(runs):
+        cells = []
+        for k in shown:
+            values = [_speedup(run[key], k) for run in index]
+            cells.append(" / ".join("n/a" if v is None else f"{v:.2f}x" for v in values))
+        lines.append(f"| {key[0]} | {key[1]} | {key[2][1]} vs {key[2][0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare_plot(runs: Sequence[List[Dict[str, Any]]], labels: Sequence[str], path: str) -> None:
+    """Speed-ups over TorchRec per scenario and pair (one panel each): a color per
+    measurement, a line style per run, eager (circles) and graphed (triangles)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shared = _shared(runs)
+    panels = list(dict.fromkeys((scenario, pair) for scenario, _, pair in shared))
+    cols = min(3, len(panels))
+    grid = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(4.5 * cols, 3.6 * grid), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
+    index = [{(r["scenario"], r["short"], tuple(r["pair"])): r for r in rows} for rows in runs]
+    for ax, (scenario, pair) in zip(axes.flat, panels):
+        shorts = [short for s, short, p in shared if (s, p) == (scenario, pair)]
+        for run, label, style in zip(index, labels, ("-", "--", ":", "-.")):
+            for key, name in METRICS:
+                for measured, marker, mode in ((key, "o", ""), (graphed(key), "^", " graphed")):
+                    points = [(x, _speedup(run[(scenario, short, pair)], measured)) for x, short in enumerate(shorts)]
+                    points = [(x, v) for x, v in points if v is not None]
+                    if points:
+                        ax.plot(
+                            [x for x, _ in points],
+                            [v for _, v in points],
+                            style,
+                            color=colors[key],
+                            marker=marker,
+                            label=f"{name}{mode}, {label}",
+                        )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(range(len(shorts))))
+        ax.set_xticklabels(shorts, rotation=30, fontsize=7)
+        ax.set_title(f"{scenario}: {pair[1]} vs {pair[0]}", fontsize=9)
+        ax.set_ylabel("speed-up over TorchRec")
+        # Log-scaled: the large batches' ratios near 1 stay apart next to the small ones'.
+        ax.set_yscale("log", base=2)
+        if all(s.isdigit() for s in shorts):
+            ax.set_xlabel("samples per rank")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="Renders a benchmark's results.json again: its table, and plot.")
-    p.add_argument("results", help="results.json of `python -m torchrec_pgas.benchmark`")
-    p.add_argument("--out", default=None, help="write results.json, results.md and speedup.png here (else print)")
+    p = argparse.ArgumentParser(description="Renders a benchmark's results.json again, or compares several.")
+    p.add_argument("results", nargs="+", help="results.json of `python -m torchrec_pgas.benchmark` (several: compared)")
+    p.add_argument("--labels", default=None, help="comma-separated names of the compared runs (default: their folders)")
+    p.add_argument("--out", default=None, help="write the files here (else print the table)")
     args = p.parse_args(argv)
-    rows, meta = load(args.results)
-    if not rows:
-        raise SystemExit(f"{args.results}: no result rows to render")
+    loaded = [load(path) for path in args.results]
+    for path, (rows, _) in zip(args.results, loaded):
+        if not rows:
+            raise SystemExit(f"{path}: no result rows to render")
+    if len(loaded) == 1:
+        rows, meta = loaded[0]
+        if args.out:
+            write(rows, meta, args.out)
+        else:
+            print(markdown(rows, header(meta)))
+        return
+    labels = (
+        args.labels.split(",")
+        if args.labels
+        else [os.path.basename(os.path.dirname(os.path.abspath(r))) for r in args.results]
+    )
+    if len(labels) != len(loaded):
+        raise SystemExit(f"--labels names {len(labels)} runs, {len(loaded)} results files given")
+    runs = [rows for rows, _ in loaded]
+    if not _shared(runs):
+        raise SystemExit("the results files share no configuration and pair to compare")
+    table = compare_markdown(runs, labels)
     if args.out:
-        write(rows, meta, args.out)
-    else:
-        print(markdown(rows, header(meta)))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compare.md"), "w") as f:
+            f.write(table)
+        compare_plot(runs, labels, os.path.join(args.out, "compare.png"))
+    print(table)
 
 
 if __name__ == "__main__":
