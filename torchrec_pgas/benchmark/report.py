@@ -24,6 +24,8 @@ from torchrec_pgas.benchmark.floor import LINK_BANDWIDTH, MEMORY_BANDWIDTH
 
 #: The measurements of each (baseline, ours) pair, in table order.
 METRICS = (("forward_ms", "embedding forward"), ("dlrm_ms", "DLRM inference"), ("train_ms", "training step"))
+#: A measurement's color in the plots.
+_COLORS = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
 
 
 def graphed(key: str) -> str:
@@ -173,23 +175,59 @@ def _link_part(row: Dict[str, Any]) -> str:
     return f"{row['link_ms']:.3f} at {row['link_gbps']:.0f} GB/s"
 
 
-def plot(rows: List[Dict[str, Any]], path: str) -> None:
-    """Speed-ups over the baseline per scenario (one panel each, a line per pair and
-    measurement), if matplotlib is here."""
+def _panels(n: int, cols: int, width: float, height: float):
+    """A figure of ``n`` panels, ``cols`` a row (the rest hidden), as ``(fig, axes)``;
+    None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
-    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
-    cols = min(4, len(scenarios))
-    grid = (len(scenarios) + cols - 1) // cols
-    fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.4 * grid), squeeze=False)
-    for ax in axes.flat[len(scenarios) :]:
+        return None
+    cols = min(cols, n)
+    grid = (n + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(width * cols, height * grid), squeeze=False)
+    for ax in axes.flat[n:]:
         ax.set_visible(False)
-    colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
+    return fig, axes
+
+
+def _speedup_lines(ax, points: Sequence[Tuple[int, Dict[str, Any]]], style: str, suffix: str) -> None:
+    """Per measurement (a color each), the speed-ups of the rows at ``points`` (x, row):
+    eager (circles) and ours graphed (triangles), against the same eager TorchRec time."""
+    for key, name in METRICS:
+        for measured, marker, mode in ((key, "o", ""), (graphed(key), "^", " graphed")):
+            shown = [(x, v) for x, v in ((x, _speedup(r, measured)) for x, r in points) if v is not None]
+            if shown:
+                ax.plot(
+                    [x for x, _ in shown],
+                    [v for _, v in shown],
+                    style,
+                    color=_COLORS[key],
+                    marker=marker,
+                    label=f"{name}{mode}, {suffix}",
+                )
+
+
+def _speedup_axes(ax, shorts: Sequence[str]) -> None:
+    """A speed-up panel's axes: the configurations on x, the line of equal speed."""
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(range(len(shorts))))
+    ax.set_xticklabels(shorts, rotation=30, fontsize=7)
+    ax.set_ylabel("speed-up over TorchRec")
+    if all(s.isdigit() for s in shorts):  # a batch sweep (``--batch-sizes``)
+        ax.set_xlabel("samples per rank")
+
+
+def plot(rows: List[Dict[str, Any]], path: str) -> None:
+    """Speed-ups over the baseline per scenario (one panel each, a line per pair and
+    measurement), if matplotlib is here."""
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    drawn = _panels(len(scenarios), 4, 4, 3.4)
+    if drawn is None:
+        return
+    fig, axes = drawn
     first_pairs = {tuple(r["pair"]) for r in rows if r["scenario"] == scenarios[0]}
     for ax, scenario in zip(axes.flat, scenarios):
         mine = [r for r in rows if r["scenario"] == scenario]
@@ -197,27 +235,10 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
         # One line per pair and measurement: solid for the first pair, dashed for the next.
         for pair, style in zip(dict.fromkeys(tuple(r["pair"]) for r in mine), ("-", "--", ":")):
             points = [(shorts.index(r["short"]), r) for r in mine if tuple(r["pair"]) == pair]
-            for key, name in METRICS:
-                # Ours graphed (``--cuda-graph``), against the same eager TorchRec time.
-                for measured, marker, mode in ((key, "o", ""), (graphed(key), "^", " graphed")):
-                    shown = [(x, r) for x, r in points if measured in r["ours"]]
-                    if shown:
-                        ax.plot(
-                            [x for x, _ in shown],
-                            [r["baseline"][key] / r["ours"][measured] for _, r in shown],
-                            style,
-                            color=colors[key],
-                            marker=marker,
-                            label=f"{name}{mode}, {pair[1]}",
-                        )
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(list(range(len(shorts))))
-        ax.set_xticklabels(shorts, rotation=30, fontsize=7)
+            _speedup_lines(ax, points, style, pair[1])
+        _speedup_axes(ax, shorts)
         ax.set_title(scenario)
-        ax.set_ylabel("speed-up over TorchRec")
         ax.set_ylim(bottom=0)
-        if all(s.isdigit() for s in shorts):  # a batch sweep (``--batch-sizes``)
-            ax.set_xlabel("samples per rank")
         if ax is axes[0][0] or {tuple(r["pair"]) for r in mine} != first_pairs:
             ax.legend(fontsize=7)  # every panel whose pairs the first panel's legend does not name
     fig.tight_layout()
@@ -295,47 +316,21 @@ def compare_markdown(runs: Sequence[List[Dict[str, Any]]], labels: Sequence[str]
 def compare_plot(runs: Sequence[List[Dict[str, Any]]], labels: Sequence[str], path: str) -> None:
     """Speed-ups over TorchRec per scenario and pair (one panel each): a color per
     measurement, a line style per run, eager (circles) and graphed (triangles)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
     shared = _shared(runs)
     panels = list(dict.fromkeys((scenario, pair) for scenario, _, pair in shared))
-    cols = min(3, len(panels))
-    grid = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(grid, cols, figsize=(4.5 * cols, 3.6 * grid), squeeze=False)
-    for ax in axes.flat[len(panels) :]:
-        ax.set_visible(False)
-    colors = dict(zip((key for key, _ in METRICS), ("C0", "C1", "C2")))
+    drawn = _panels(len(panels), 3, 4.5, 3.6)
+    if drawn is None:
+        return
+    fig, axes = drawn
     index = [{(r["scenario"], r["short"], tuple(r["pair"])): r for r in rows} for rows in runs]
     for ax, (scenario, pair) in zip(axes.flat, panels):
         shorts = [short for s, short, p in shared if (s, p) == (scenario, pair)]
         for run, label, style in zip(index, labels, ("-", "--", ":", "-.")):
-            for key, name in METRICS:
-                for measured, marker, mode in ((key, "o", ""), (graphed(key), "^", " graphed")):
-                    points = [(x, _speedup(run[(scenario, short, pair)], measured)) for x, short in enumerate(shorts)]
-                    points = [(x, v) for x, v in points if v is not None]
-                    if points:
-                        ax.plot(
-                            [x for x, _ in points],
-                            [v for _, v in points],
-                            style,
-                            color=colors[key],
-                            marker=marker,
-                            label=f"{name}{mode}, {label}",
-                        )
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(list(range(len(shorts))))
-        ax.set_xticklabels(shorts, rotation=30, fontsize=7)
+            _speedup_lines(ax, [(x, run[(scenario, short, pair)]) for x, short in enumerate(shorts)], style, label)
+        _speedup_axes(ax, shorts)
         ax.set_title(f"{scenario}: {pair[1]} vs {pair[0]}", fontsize=9)
-        ax.set_ylabel("speed-up over TorchRec")
         # Log-scaled: the large batches' ratios near 1 stay apart next to the small ones'.
         ax.set_yscale("log", base=2)
-        if all(s.isdigit() for s in shorts):
-            ax.set_xlabel("samples per rank")
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
