@@ -51,9 +51,15 @@ def _larger(a, b):
 
 
 @triton.jit
+def _clamped(first, n_ids):
+    """A first offset clamped to the ids."""
+    return tl.minimum(tl.maximum(first.to(tl.int64), 0), n_ids)
+
+
+@triton.jit
 def _start(offsets_ptr, f, batch, n_ids):
     """Feature ``f``'s first offset, clamped to the ids."""
-    return tl.minimum(tl.maximum(tl.load(offsets_ptr + f * batch).to(tl.int64), 0), n_ids)
+    return _clamped(tl.load(offsets_ptr + f * batch), n_ids)
 
 
 @triton.jit(do_not_specialize=["n_ids", "n_lengths", "batch", "num_features"])
@@ -101,8 +107,8 @@ def ids_check_kernel(
     for c in range(0, num_features, FEATURES):
         f = c + i
         valid = f < num_features
-        first = tl.load(offsets_ptr + f * batch, mask=valid, other=0).to(tl.int64)
-        starts = tl.maximum(tl.associative_scan(tl.minimum(tl.maximum(first, 0), n_ids), 0, _larger), carry)
+        first = tl.load(offsets_ptr + f * batch, mask=valid, other=0)
+        starts = tl.maximum(tl.associative_scan(_clamped(first, n_ids), 0, _larger), carry)
         below_first += tl.sum((valid & (starts <= k0)).to(tl.int32))
         below_last += tl.sum((valid & (starts <= k_last)).to(tl.int32))
         start_first = tl.maximum(start_first, tl.max(tl.where(valid & (starts <= k0), starts, 0)))

@@ -427,10 +427,7 @@ def run(
                 tr_graph_note = _failure(e)  # not tried again: the same step fails the same way
         if tr_model is not None:
             notes["torchrec quant graphed"] = tr_graph_note
-        if paired:
-            timed("pgas graphed", step, "torchrec quant graphed", tr_step)
-        else:
-            timed("pgas graphed", None, "torchrec quant graphed", tr_step)
+        timed("pgas graphed", step if paired else None, "torchrec quant graphed", tr_step)
         raise_errors(ours, wait=True)
         progress.update(2)
         del ours, step, tr_step
