@@ -8,14 +8,12 @@ ids were keyed and sorted first (``update_keys``, then a stable sort, which puts
 row's occurrences together in batch order and the unused positions last), so the update
 reads only the batch's ids and a captured step updates exactly the rows the batch read.
 
-Program ``b`` takes the block of sorted positions ``b * BLOCK ...``, ``ROWS`` at once (one
-warp: rows in parallel, since the update is bound by the latency of its scattered reads,
-and a warp's rows take half the registers per row of rows spread over warps; a row's
-weights are read once its gradient is summed, so that they take no registers meanwhile
-and more rows are in flight). The first
-occurrence of each row in the block sums the row's occurrences in the block (each
-occurrence's bag's row of the gradient at its feature's column, times its scale; in fp32,
-in batch order) and:
+Program ``b`` takes the block of sorted positions ``b * BLOCK ...``, ``ROWS`` at once: it
+loads all their gradient rows (each occurrence's bag's row of the gradient at its
+feature's column, times its scale) together, so that no load waits on another
+occurrence's, and sums each row's occurrences with a segmented scan over the positions
+(in fp32; the run the previous tile ended in is carried into the next). At the last
+position of each row in the block, it:
 
 * applies the optimizer step to the row if all of the row's occurrences are in the
   block (most rows);
@@ -109,6 +107,13 @@ def row_where(where_ptr, p, mask, WHERE_WORDS: tl.constexpr):
     return at, dim, state_at
 
 
+@triton.jit
+def _run_sum(begins_a, sum_a, begins_b, sum_b):
+    """Segmented sum: a span is the flag that a run begins in it, and the sum of its
+    last run's part in it."""
+    return begins_a | begins_b, tl.where(begins_b, sum_b, sum_a + sum_b)
+
+
 @triton.jit(do_not_specialize=["n", "weight_decay_mode"])
 def row_update_kernel(
     keys_ptr,
@@ -141,40 +146,44 @@ def row_update_kernel(
     # Blocks past the batch's ids (sentinel keys only: the sort put them last; the
     # capacity is often twice the ids) end here rather than read their positions.
     if good & (first != SENTINEL):
+        # The sum so far of the run the previous tile ended in.
+        carry = tl.zeros([BLOCK_D], dtype=tl.float32)
         for t in range(BLOCK // ROWS):
             p = begin + t * ROWS + r
-            key = tl.load(keys_ptr + p, mask=p < end, other=SENTINEL)
-            before = tl.load(keys_ptr + p - 1, mask=(p > begin) & (p < end), other=SENTINEL)
+            in_block = p < end
+            # Every position's key, gradient row and table row at once (none of these
+            # loads waits on another; past the batch's ids they are read, not used).
+            key = tl.load(keys_ptr + p, mask=in_block, other=SENTINEL)
+            before = tl.load(keys_ptr + p - 1, mask=(p > begin) & in_block, other=SENTINEL)
             after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
+            src = tl.load(src_ptr + p, mask=in_block, other=0)
+            if GRAD_ALIGNED:
+                src = tl.multiple_of(src, 4)
+            at, dim, state_at = row_where(where_ptr, p, in_block, WHERE_WORDS)
+            if SCALED:
+                scale = tl.load(scale_ptr + p, mask=in_block, other=0.0)
+            real = key != SENTINEL
+            begins = real & (key != before)
+            ends = real & (key != after)
             began_before = continued & (key == first)
-            start = (key != SENTINEL) & ((p == begin) | (key != before))
-            whole = start & ~began_before & (key != following)
-
-            at, dim, state_at = row_where(where_ptr, p, start, WHERE_WORDS)
-            inside = start[:, None] & (d[None, :] < dim[:, None])
-            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-            j = p
-            live = start
-            while tl.max(live.to(tl.int32), axis=0) > 0:
-                src = tl.load(src_ptr + j, mask=live, other=0)
-                if GRAD_ALIGNED:
-                    src = tl.multiple_of(src, 4)
-                g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=live[:, None] & inside, other=0.0)
-                g = g.to(tl.float32)
-                if SCALED:
-                    g = g * tl.load(scale_ptr + j, mask=live, other=0.0)[:, None]
-                acc += g
-                # (The first occurrence's successor was read with the keys: most rows stop there.)
-                j += 1
-                second = (j == p + 1) & (after == key)
-                later = tl.load(keys_ptr + j, mask=live & (j > p + 1) & (j < end), other=SENTINEL) == key
-                live = live & (j < end) & (second | later)
-
+            # Runs that end in the block at ``ends``: stepped here if they began in it too.
+            whole = ends & ~began_before & (key != following)
+            inside = real[:, None] & (d[None, :] < dim[:, None])
+            # The gradient rows of all positions, and the weights of the rows stepped
+            # here, in flight together.
+            g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
             w_ptr = table_ptr + at[:, None] + d[None, :]
             w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
+            if SCALED:
+                g = g * tl.where(real, scale, 0.0)[:, None]
+            g += tl.where(((r == 0) & real & ~begins)[:, None], carry[None, :], 0.0)
+            # Each run's sum in the block so far, at its every position (batch order within
+            # a lane's positions; a tile's lanes are added up in a fixed tree).
+            _, s = tl.associative_scan((tl.broadcast_to(begins[:, None], (ROWS, BLOCK_D)), g), 0, _run_sum)
+            carry = tl.sum(tl.where((r == ROWS - 1)[:, None], s, 0.0), axis=0)
             w = row_step(
                 w,
-                acc,
+                s,
                 dim,
                 whole,
                 state_ptr,
@@ -184,10 +193,11 @@ def row_update_kernel(
                 OPTIM,
             )
             tl.store(w_ptr, w, mask=whole[:, None] & inside)
+            # A run that crosses the block's edges: the block's part of its sum.
             partial_at = 2 * b + (~began_before).to(tl.int64)
-            crossing = start & ~whole
+            crossing = ends & ~whole
             tl.store(
-                partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], acc, mask=crossing[:, None] & inside
+                partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], s, mask=crossing[:, None] & inside
             )
 
 

@@ -32,11 +32,13 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import StepRule, row_step
-from torchrec_pgas.kernels.row_update import TILE, block_positions, dim_block, row_where
+from torchrec_pgas.kernels.row_update import block_positions, dim_block, row_where
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS
 from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
+#: Elements of the blocks' partial sums added at once (``CHUNK`` rows of them).
+TILE = 512
 #: Blocks of ``row_update`` a program checks at once (a power of 2).
 BLOCKS = 8
 
