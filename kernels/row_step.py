@@ -38,37 +38,42 @@ class StepRule(NamedTuple):
 
 
 @triton.jit
+def hyper_parameters(hyper_ptr):
+    """The learning rate, eps and weight decay (read once per program, before the
+    rows: a load in the step would wait behind the rows' sums)."""
+    # The words of LEARNING_RATE, EPS, WEIGHT_DECAY.
+    return tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
+
+
+@triton.jit
 def row_step(
     w,
     g,
     dim,
-    mask,
-    state_ptr,
-    state_at,
-    hyper_ptr,
+    state,
+    learning_rate,
+    eps,
+    weight_decay,
     weight_decay_mode,
     OPTIM: tl.constexpr,
 ):
-    """The rows ``w`` (fp32 [R, BLOCK_D], zero past ``dim``) after the step of their
-    summed gradients ``g`` (the same shape); updates the optimizer state of the rows
-    where ``mask`` is on."""
-    learning_rate = tl.load(hyper_ptr)  # the words of LEARNING_RATE, EPS, WEIGHT_DECAY
+    """The rows ``w`` (fp32 [R, BLOCK_D], zero past ``dim``) and their optimizer state
+    (``state``, fp32 [R]; unused by ``SGD``) after the step of their summed gradients
+    ``g`` (the same shape as ``w``). The caller loads and stores both, so that their
+    loads are in flight with the gradient's."""
     if OPTIM == 0:
         w = w - learning_rate * g
     else:
-        eps = tl.load(hyper_ptr + 1)
-        weight_decay = tl.load(hyper_ptr + 2)
         g2 = g
         if weight_decay_mode == 1:
             g2 = g + weight_decay * w
         g_avg_square = tl.sum(g2 * g2, axis=1) / tl.maximum(dim, 1).to(tl.float32)
-        sum_square = tl.load(state_ptr + state_at, mask=mask, other=0.0) + g_avg_square
-        tl.store(state_ptr + state_at, sum_square, mask=mask)
-        multiplier = learning_rate / (tl.sqrt_rn(sum_square) + eps)
+        state = state + g_avg_square
+        multiplier = learning_rate / (tl.sqrt_rn(state) + eps)
         correction = tl.full(multiplier.shape, 1.0, tl.float32)
         if weight_decay_mode == 1:
             correction = 1.0 - multiplier * weight_decay
         elif weight_decay_mode == 2:
             correction = correction - learning_rate * weight_decay
         w = correction[:, None] * w - multiplier[:, None] * g
-    return w
+    return w, state

@@ -49,16 +49,16 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
-from torchrec_pgas.kernels.row_step import StepRule, row_step
+from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS
 from torchrec_pgas.kernels.update_keys import sentinel
 
 #: The elements of a program's tile (``ROWS`` positions of ``BLOCK_D``), at least
 #: ``MIN_ROWS`` positions; sorted positions per block (``partial`` holds two rows per
 #: block), at least a tile's.
-TILE = 512
+TILE = 1024
 MIN_ROWS = 1
-BLOCK = 64
+BLOCK = 128
 NUM_WARPS = 1
 
 
@@ -146,6 +146,7 @@ def row_update_kernel(
     # Blocks past the batch's ids (sentinel keys only: the sort put them last; the
     # capacity is often twice the ids) end here rather than read their positions.
     if good & (first != SENTINEL):
+        learning_rate, eps, weight_decay = hyper_parameters(hyper_ptr)
         # The sum so far of the run the previous tile ended in.
         carry = tl.zeros([BLOCK_D], dtype=tl.float32)
         for t in range(BLOCK // ROWS):
@@ -174,6 +175,9 @@ def row_update_kernel(
             g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
             w_ptr = table_ptr + at[:, None] + d[None, :]
             w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
+            state = tl.zeros([ROWS], dtype=tl.float32)
+            if OPTIM != 0:
+                state = tl.load(state_ptr + state_at, mask=whole, other=0.0)
             if SCALED:
                 g = g * tl.where(real, scale, 0.0)[:, None]
             g += tl.where(((r == 0) & real & ~begins)[:, None], carry[None, :], 0.0)
@@ -181,18 +185,20 @@ def row_update_kernel(
             # a lane's positions; a tile's lanes are added up in a fixed tree).
             _, s = tl.associative_scan((tl.broadcast_to(begins[:, None], (ROWS, BLOCK_D)), g), 0, _run_sum)
             carry = tl.sum(tl.where((r == ROWS - 1)[:, None], s, 0.0), axis=0)
-            w = row_step(
+            w, state = row_step(
                 w,
                 s,
                 dim,
-                whole,
-                state_ptr,
-                state_at,
-                hyper_ptr,
+                state,
+                learning_rate,
+                eps,
+                weight_decay,
                 weight_decay_mode,
                 OPTIM,
             )
             tl.store(w_ptr, w, mask=whole[:, None] & inside)
+            if OPTIM != 0:
+                tl.store(state_ptr + state_at, state, mask=whole)
             # A run that crosses the block's edges: the block's part of its sum.
             partial_at = 2 * b + (~began_before).to(tl.int64)
             crossing = ends & ~whole

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.row_step import StepRule, row_step
+from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
 from torchrec_pgas.kernels.row_update import block_positions, dim_block, row_where
 from torchrec_pgas.kernels.sort_order import WHERE_WORDS
 from torchrec_pgas.kernels.update_keys import sentinel
@@ -113,18 +113,24 @@ def run_update_kernel(
                     c += CHUNK
                 w_ptr = table_ptr + at[:, None] + d[None, :]
                 w = tl.load(w_ptr, mask=inside, other=0.0)
-                w = row_step(
+                state = tl.zeros([1], dtype=tl.float32)
+                if OPTIM != 0:
+                    state = tl.load(state_ptr + state_at, mask=owner, other=0.0)
+                learning_rate, eps, weight_decay = hyper_parameters(hyper_ptr)
+                w, state = row_step(
                     w,
                     acc,
                     dim,
-                    owner,
-                    state_ptr,
-                    state_at,
-                    hyper_ptr,
+                    state,
+                    learning_rate,
+                    eps,
+                    weight_decay,
                     weight_decay_mode,
                     OPTIM,
                 )
                 tl.store(w_ptr, w, mask=inside)
+                if OPTIM != 0:
+                    tl.store(state_ptr + state_at, state, mask=owner)
 
 
 _launcher = Launcher(run_update_kernel)
