@@ -181,8 +181,9 @@ def row_update_kernel(
             if SCALED:
                 g = g * tl.where(real, scale, 0.0)[:, None]
             g += tl.where(((r == 0) & real & ~begins)[:, None], carry[None, :], 0.0)
-            # Each run's sum in the block so far, at its every position (batch order within
-            # a lane's positions; a tile's lanes are added up in a fixed tree).
+            # Each run's sum in the block so far, at its every position: in batch order, as
+            # one warp's lane holds every position of the tile for its columns (positions
+            # split over warps would be added in a fixed tree).
             _, s = tl.associative_scan((tl.broadcast_to(begins[:, None], (ROWS, BLOCK_D)), g), 0, _run_sum)
             carry = tl.sum(tl.where((r == ROWS - 1)[:, None], s, 0.0), axis=0)
             w, state = row_step(
@@ -202,9 +203,7 @@ def row_update_kernel(
             # A run that crosses the block's edges: the block's part of its sum.
             partial_at = 2 * b + (~began_before).to(tl.int64)
             crossing = ends & ~whole
-            tl.store(
-                partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], s, mask=crossing[:, None] & inside
-            )
+            tl.store(partial_ptr + partial_at[:, None] * PARTIAL_PITCH + d[None, :], s, mask=crossing[:, None] & inside)
 
 
 _launcher = Launcher(row_update_kernel)
