@@ -56,9 +56,9 @@ from torchrec_pgas.kernels.update_keys import sentinel
 #: The elements of a program's tile (``ROWS`` positions of ``BLOCK_D``), at least
 #: ``MIN_ROWS`` positions; sorted positions per block (``partial`` holds two rows per
 #: block), at least a tile's.
-TILE = 1024
+TILE = 512
 MIN_ROWS = 1
-BLOCK = 128
+BLOCK = 64
 NUM_WARPS = 1
 
 
