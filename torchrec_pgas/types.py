@@ -56,8 +56,9 @@ class PgasOptions:
             rounding); other tables take FBGEMM's backward. ``"fbgemm"``: FBGEMM's
             fused backward always, as under TorchRec's sharding types, at the cost of
             one read-back per step (the batch's id count: FBGEMM sorts its whole index
-            tensor); the faster choice for eager training at large batches today
-            (examples/benchmark_results/README.md).
+            tensor), which then holds the batch's ids only, where the fused update
+            sorts the index tensor's whole capacity (``headroom`` times the first
+            batch's ids; examples/benchmark_results/README.md compares them).
 
     Every rank must pass equal options: the sharding checks it when it sets up its
     exchange and raises on every rank, naming the fields that differ.
