@@ -81,6 +81,7 @@ def run_update_kernel(
     following = tl.load(keys_ptr + end, mask=there & (end < n), other=SENTINEL)
     owners = there & (key != SENTINEL) & (following == key) & ~((before == first) & (key == first)) & good
     if tl.max(owners.to(tl.int32), axis=0) > 0:
+        learning_rate, eps, weight_decay = hyper_parameters(hyper_ptr)
         # The last block that begins with each owner's row (block g + 1 does), searched
         # for every owner of the program at once: one chain of dependent loads.
         lo = g + 1
@@ -116,7 +117,6 @@ def run_update_kernel(
                 state = tl.zeros([1], dtype=tl.float32)
                 if OPTIM != 0:
                     state = tl.load(state_ptr + state_at, mask=owner, other=0.0)
-                learning_rate, eps, weight_decay = hyper_parameters(hyper_ptr)
                 w, state = row_step(
                     w,
                     acc,
