@@ -31,11 +31,14 @@ Buffers:
     src:       int64 [N]  each sorted position's gradient row (``update_keys``, in the
                sort's order: the update reads no permutation, one dependent load less)
     scale:     float32 [N]  each sorted position's gradient scale (read with ``SCALED``)
-    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``sort_order``)
+    table_index: int32 [N]  each sorted position's table, its row of ``tables``
+               (``sort_order``)
+    tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows: its first
+               row, weights offset, dim and optimizer state offset (``sort_order``)
     grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
                owner's lookup output, rows contiguous (read 4 elements at a time where
                ``pitch`` and its address allow: ``GRAD_ALIGNED``)
-    table:     float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
+    weights:   float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
     state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  out: the
                blocks' sums of rows that cross blocks
@@ -50,7 +53,7 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
-from torchrec_pgas.kernels.sort_order import WHERE_WORDS
+from torchrec_pgas.kernels.sort_order import TABLE_WORDS, row_place
 from torchrec_pgas.kernels.update_keys import sentinel
 
 #: The elements of a program's tile (``ROWS`` positions of ``BLOCK_D``), at least
@@ -97,17 +100,6 @@ def block_edges(keys_ptr, b, n, BLOCK: tl.constexpr, SENTINEL: tl.constexpr):
 
 
 @triton.jit
-def row_where(where_ptr, p, mask, WHERE_WORDS: tl.constexpr):
-    """The row of sorted positions ``p`` (``sort_order``'s ``where``): its offset in the
-    weights and its dim (FBGEMM's rows are multiples of 4 elements: they move 4 at a
-    time), and its index in the optimizer state."""
-    at = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS, mask=mask, other=0), 4)
-    dim = tl.multiple_of(tl.load(where_ptr + p * WHERE_WORDS + 1, mask=mask, other=0), 4)
-    state_at = tl.load(where_ptr + p * WHERE_WORDS + 2, mask=mask, other=0)
-    return at, dim, state_at
-
-
-@triton.jit
 def _run_sum(begins_a, sum_a, begins_b, sum_b):
     """Segmented sum: a span is the flag that a run begins in it, and the sum of its
     last run's part in it."""
@@ -119,9 +111,10 @@ def row_update_kernel(
     keys_ptr,
     src_ptr,
     scale_ptr,
-    where_ptr,
+    table_index_ptr,
+    tables_ptr,
     grad_ptr,
-    table_ptr,
+    weights_ptr,
     state_ptr,
     partial_ptr,
     verdict_ptr,
@@ -131,7 +124,7 @@ def row_update_kernel(
     OPTIM: tl.constexpr,
     SCALED: tl.constexpr,
     SENTINEL: tl.constexpr,
-    WHERE_WORDS: tl.constexpr,
+    TABLE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,18 +145,20 @@ def row_update_kernel(
         for t in range(BLOCK // ROWS):
             p = begin + t * ROWS + r
             in_block = p < end
-            # Every position's key, gradient row and table row at once (none of these
-            # loads waits on another; past the batch's ids they are read, not used).
+            # Every position's key, gradient row and table at once (none of these loads
+            # waits on another; past the batch's ids they are read, not used); the row's
+            # place follows from its table's entry, which stays in cache.
             key = tl.load(keys_ptr + p, mask=in_block, other=SENTINEL)
             before = tl.load(keys_ptr + p - 1, mask=(p > begin) & in_block, other=SENTINEL)
             after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
             src = tl.load(src_ptr + p, mask=in_block, other=0)
             if GRAD_ALIGNED:
                 src = tl.multiple_of(src, 4)
-            at, dim, state_at = row_where(where_ptr, p, in_block, WHERE_WORDS)
+            table = tl.load(table_index_ptr + p, mask=in_block, other=0)
             if SCALED:
                 scale = tl.load(scale_ptr + p, mask=in_block, other=0.0)
             real = key != SENTINEL
+            at, dim, state_at = row_place(tables_ptr, table, key, real, TABLE_WORDS)
             begins = real & (key != before)
             ends = real & (key != after)
             began_before = continued & (key == first)
@@ -173,7 +168,7 @@ def row_update_kernel(
             # The gradient rows of all positions, and the weights of the rows stepped
             # here, in flight together.
             g = tl.load(grad_ptr + src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
-            w_ptr = table_ptr + at[:, None] + d[None, :]
+            w_ptr = weights_ptr + at[:, None] + d[None, :]
             w = tl.load(w_ptr, mask=whole[:, None] & inside, other=0.0)
             state = tl.zeros([ROWS], dtype=tl.float32)
             if OPTIM != 0:
@@ -213,9 +208,10 @@ def row_update(
     keys: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
-    where: torch.Tensor,
+    table_index: torch.Tensor,
+    tables: torch.Tensor,
     grad: torch.Tensor,
-    table: torch.Tensor,
+    weights: torch.Tensor,
     state: torch.Tensor,
     partial: torch.Tensor,
     verdict: torch.Tensor,
@@ -235,9 +231,10 @@ def row_update(
         keys,
         src,
         scale,
-        where,
+        table_index,
+        tables,
         grad,
-        table,
+        weights,
         state,
         partial,
         verdict,
@@ -247,7 +244,7 @@ def row_update(
         OPTIM=rule.optim,
         SCALED=scaled,
         SENTINEL=sentinel(keys.dtype),
-        WHERE_WORDS=WHERE_WORDS,
+        TABLE_WORDS=TABLE_WORDS,
         BLOCK=block,
         ROWS=tile_rows(max_dim),
         BLOCK_D=dim_block(max_dim),

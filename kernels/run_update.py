@@ -16,8 +16,11 @@ Nothing is updated for a bad step (``verdict``, see ``row_update``).
 
 Buffers:
     keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
-    where:     int64 [N, WHERE_WORDS]  each sorted position's row (``sort_order``)
-    table:     float32 [...]  the group's weights, in/out
+    table_index: int32 [N]  each sorted position's table, its row of ``tables``
+               (``sort_order``)
+    tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows: its first
+               row, weights offset, dim and optimizer state offset (``sort_order``)
+    weights:   float32 [...]  the group's weights, in/out
     state:     float32 [...]  the row-wise optimizer state, in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  the blocks'
                sums (``row_update``)
@@ -32,8 +35,8 @@ import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
-from torchrec_pgas.kernels.row_update import block_positions, dim_block, row_where
-from torchrec_pgas.kernels.sort_order import WHERE_WORDS
+from torchrec_pgas.kernels.row_update import block_positions, dim_block
+from torchrec_pgas.kernels.sort_order import TABLE_WORDS, row_place
 from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
@@ -46,8 +49,9 @@ BLOCKS = 8
 @triton.jit(do_not_specialize=["n", "blocks", "search_steps", "weight_decay_mode"])
 def run_update_kernel(
     keys_ptr,
-    where_ptr,
-    table_ptr,
+    table_index_ptr,
+    tables_ptr,
+    weights_ptr,
     state_ptr,
     partial_ptr,
     verdict_ptr,
@@ -58,7 +62,7 @@ def run_update_kernel(
     weight_decay_mode: tl.int64,
     OPTIM: tl.constexpr,
     SENTINEL: tl.constexpr,
-    WHERE_WORDS: tl.constexpr,
+    TABLE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -98,9 +102,11 @@ def run_update_kernel(
                 b = first_block + i
                 run_end = tl.sum(tl.where(lane == i, lo, 0), axis=0)
                 last = tl.minimum(b * BLOCK + BLOCK, n) - 1 + one
+                last_key = tl.load(keys_ptr + last)
                 # True; a mask of loaded data keeps the row accesses vectorized.
-                owner = tl.load(keys_ptr + last) != SENTINEL
-                at, dim, state_at = row_where(where_ptr, last, owner, WHERE_WORDS)
+                owner = last_key != SENTINEL
+                table = tl.load(table_index_ptr + last, mask=owner, other=0)
+                at, dim, state_at = row_place(tables_ptr, table, last_key, owner, TABLE_WORDS)
                 inside = owner[:, None] & (d[None, :] < dim[:, None])
                 acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
                 c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
@@ -112,7 +118,7 @@ def run_update_kernel(
                     )
                     acc += tl.sum(part, axis=0)[None, :]
                     c += CHUNK
-                w_ptr = table_ptr + at[:, None] + d[None, :]
+                w_ptr = weights_ptr + at[:, None] + d[None, :]
                 w = tl.load(w_ptr, mask=inside, other=0.0)
                 state = tl.zeros([1], dtype=tl.float32)
                 if OPTIM != 0:
@@ -138,8 +144,9 @@ _launcher = Launcher(run_update_kernel)
 
 def run_update(
     keys: torch.Tensor,
-    where: torch.Tensor,
-    table: torch.Tensor,
+    table_index: torch.Tensor,
+    tables: torch.Tensor,
+    weights: torch.Tensor,
     state: torch.Tensor,
     partial: torch.Tensor,
     verdict: torch.Tensor,
@@ -156,8 +163,9 @@ def run_update(
     blocks = cdiv(n, block)
     _launcher[(cdiv(blocks, BLOCKS),)](
         keys,
-        where,
-        table,
+        table_index,
+        tables,
+        weights,
         state,
         partial,
         verdict,
@@ -168,7 +176,7 @@ def run_update(
         rule.weight_decay_mode,
         OPTIM=rule.optim,
         SENTINEL=sentinel(keys.dtype),
-        WHERE_WORDS=WHERE_WORDS,
+        TABLE_WORDS=TABLE_WORDS,
         BLOCK=block,
         BLOCKS=BLOCKS,
         CHUNK=max(1, TILE // block_d),

@@ -1,16 +1,18 @@
-"""Puts ``update_keys``' per-position arrays in the sort's order, and writes where each
-sorted position's row lies, so that the update (``row_update``, ``run_update``) reads
-each sorted position's gradient row, scale and row with no permutation: one pass over
-the sort's order, where an indexing per array would read the order once per array.
+"""Puts ``update_keys``' per-position arrays in the sort's order, and writes which table
+each sorted position's row lies in, so that the update (``row_update``, ``run_update``)
+reads each sorted position's gradient row, scale and row with no permutation: one pass
+over the sort's order, where an indexing per array would read the order once per array.
 Positions past the batch's ids (their key is the sentinel: the sort put them last) are
 left as they are: the update reads nothing of them, and the index tensor's capacity is
 often twice the batch's ids.
 
 A row's place follows from its key (its row in the group's rows): the group's table
 whose first row is the last at most the key (a binary search of the few tables, which
-stay in cache), then the row's offset in that table. Computing it here, in the sort's
-order, replaces three words per position that ``update_keys`` would write and this pass
-would gather through the order, the costliest of its reads.
+stay in cache), then the row's offset in that table (``row_place``). The search is done
+here, once per position, and its result is one int32 per position: the update finds the
+row's offset, dim and optimizer state from it and the key with one cached load, where
+three int64 words per position written here and read there were a sixth of this pass's
+traffic and the update's largest read after the gradient and the weights.
 
 Program ``p`` takes sorted positions ``p * BLOCK ...``.
 
@@ -24,8 +26,8 @@ Buffers:
                its dim, its offset in the optimizer state (rows)
     src_out:   int64 [N]  out: ``src[order]`` (not past the ids)
     scale_out: float32 [N]  out with ``SCALED``: ``scale[order]`` (not past the ids)
-    where_out: int64 [N, WHERE_WORDS]  out: each sorted position's row's offset in the
-               weights, its dim and its index in the optimizer state (not past the ids)
+    table_out: int32 [N]  out: each sorted position's table, its row of ``tables`` (not
+               past the ids)
 """
 
 import torch
@@ -37,10 +39,22 @@ from torchrec_pgas.kernels.update_keys import sentinel
 
 BLOCK = 1024
 NUM_WARPS = 4
-#: ``tables`` columns.
+#: ``tables`` columns: a table's first row in the group's rows, its offset in the
+#: weights (elements), its dim, its offset in the optimizer state (rows).
 TABLE_WORDS = 4
-#: ``where_out`` columns.
-WHERE_WORDS = 3
+
+
+@triton.jit
+def row_place(tables_ptr, table, key, mask, TABLE_WORDS: tl.constexpr):
+    """The row of key ``key`` in table ``table`` (its row of ``tables``): its offset in
+    the weights and its dim (FBGEMM's rows are multiples of 4 elements: they move 4 at a
+    time), and its index in the optimizer state."""
+    meta = tables_ptr + table.to(tl.int64) * TABLE_WORDS
+    row = key.to(tl.int64) - tl.load(meta, mask=mask, other=0)
+    dim = tl.multiple_of(tl.load(meta + 2, mask=mask, other=0), 4)
+    at = tl.multiple_of(tl.load(meta + 1, mask=mask, other=0) + row * dim, 4)
+    state_at = tl.load(meta + 3, mask=mask, other=0) + row
+    return at, dim, state_at
 
 
 @triton.jit(do_not_specialize=["n", "num_tables"])
@@ -52,12 +66,11 @@ def sort_order_kernel(
     tables_ptr,
     src_out_ptr,
     scale_out_ptr,
-    where_out_ptr,
+    table_out_ptr,
     n: tl.int64,
     num_tables: tl.int64,
     SENTINEL: tl.constexpr,
     TABLE_WORDS: tl.constexpr,
-    WHERE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -79,12 +92,7 @@ def sort_order_kernel(
         up = tl.load(tables_ptr + (t + half) * TABLE_WORDS, mask=inside, other=0) <= key
         t = tl.where(up, t + half, t)
         size -= half
-    meta = tables_ptr + t * TABLE_WORDS
-    row = key - tl.load(meta, mask=inside, other=0)
-    dim = tl.load(meta + 2, mask=inside, other=0)
-    tl.store(where_out_ptr + p * WHERE_WORDS, tl.load(meta + 1, mask=inside, other=0) + row * dim, mask=inside)
-    tl.store(where_out_ptr + p * WHERE_WORDS + 1, dim, mask=inside)
-    tl.store(where_out_ptr + p * WHERE_WORDS + 2, tl.load(meta + 3, mask=inside, other=0) + row, mask=inside)
+    tl.store(table_out_ptr + p, t.to(tl.int32), mask=inside)
 
 
 _launcher = Launcher(sort_order_kernel)
@@ -98,7 +106,7 @@ def sort_order(
     tables: torch.Tensor,
     src_out: torch.Tensor,
     scale_out: torch.Tensor,
-    where_out: torch.Tensor,
+    table_out: torch.Tensor,
     scaled: bool,
 ) -> None:
     """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring); ``tables`` has at
@@ -116,12 +124,11 @@ def sort_order(
         tables,
         src_out,
         scale_out,
-        where_out,
+        table_out,
         n,
         tables.size(0),
         SENTINEL=sentinel(keys.dtype),
         TABLE_WORDS=TABLE_WORDS,
-        WHERE_WORDS=WHERE_WORDS,
         SCALED=scaled,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,

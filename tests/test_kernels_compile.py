@@ -41,7 +41,7 @@ from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
-from torchrec_pgas.kernels.sort_order import TABLE_WORDS, WHERE_WORDS, sort_order_kernel  # noqa: E402
+from torchrec_pgas.kernels.sort_order import TABLE_WORDS, sort_order_kernel  # noqa: E402
 from torchrec_pgas.kernels.step_verdict import step_verdict_kernel  # noqa: E402
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, update_keys_kernel  # noqa: E402
 
@@ -385,13 +385,12 @@ CASES = {
             "tables_ptr": "*i64",
             "src_out_ptr": "*i64",
             "scale_out_ptr": "*fp32",
-            "where_out_ptr": "*i64",
+            "table_out_ptr": "*i32",
         },
         [
             {
                 "SENTINEL": 2**31 - 1,
                 "TABLE_WORDS": TABLE_WORDS,
-                "WHERE_WORDS": WHERE_WORDS,
                 "SCALED": scaled,
                 "BLOCK": 1024,
             }
@@ -409,9 +408,10 @@ CASES = {
             "keys_ptr": "*i32",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
-            "where_ptr": "*i64",
+            "table_index_ptr": "*i32",
+            "tables_ptr": "*i64",
             "grad_ptr": "*fp32",
-            "table_ptr": "*fp32",
+            "weights_ptr": "*fp32",
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
             "verdict_ptr": "*i64",
@@ -422,7 +422,7 @@ CASES = {
                 "OPTIM": optim,
                 "SCALED": scaled,
                 "SENTINEL": 2**31 - 1,
-                "WHERE_WORDS": WHERE_WORDS,
+                "TABLE_WORDS": TABLE_WORDS,
                 "BLOCK": 32,
                 "ROWS": rows,
                 "BLOCK_D": block_d,
@@ -438,8 +438,9 @@ CASES = {
         run_update_kernel,
         {
             "keys_ptr": "*i64",
-            "where_ptr": "*i64",
-            "table_ptr": "*fp32",
+            "table_index_ptr": "*i32",
+            "tables_ptr": "*i64",
+            "weights_ptr": "*fp32",
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
             "verdict_ptr": "*i64",
@@ -449,7 +450,7 @@ CASES = {
             {
                 "OPTIM": optim,
                 "SENTINEL": 2**63 - 1,
-                "WHERE_WORDS": WHERE_WORDS,
+                "TABLE_WORDS": TABLE_WORDS,
                 "BLOCK": 32,
                 "BLOCKS": run_update.BLOCKS,
                 "CHUNK": 8,

@@ -1050,19 +1050,22 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         # In the sort's order as ``FusedUpdate.prepare`` puts them, poisoned past the ids:
         # the update must read nothing there.
         sorted_src = torch.full_like(src, -(2**40))
-        sorted_where = torch.full((n, k.sort_order.WHERE_WORDS), -(2**40), dtype=torch.int64)
+        sorted_table = torch.full((n,), -(2**30), dtype=torch.int32)
         sorted_scale = torch.full_like(scale, float("nan"))
-        k.sort_order.sort_order(sorted_keys, order, src, scale, tables, sorted_src, sorted_scale, sorted_where, scaled)
-        src, where, scale = sorted_src, sorted_where, sorted_scale if scaled else scale
+        k.sort_order.sort_order(sorted_keys, order, src, scale, tables, sorted_src, sorted_scale, sorted_table, scaled)
+        src, scale = sorted_src, sorted_scale if scaled else scale
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
         optim = row_step.SGD if optimizer == "EXACT_SGD" else row_step.ROWWISE_ADAGRAD
         rule = row_step.StepRule(optim, wd_mode)
         hyper = torch.tensor([lr, eps, wd])
         k.row_update.row_update(
-            sorted_keys, src, scale, where, grad, table, state, partial, verdict, hyper, max(dims), rule, scaled
+            sorted_keys, src, scale, sorted_table, tables, grad, table, state, partial, verdict, hyper, max(dims), rule,
+            scaled,
         )  # fmt: skip
-        k.run_update.run_update(sorted_keys, where, table, state, partial, verdict, hyper, max(dims), rule)
+        k.run_update.run_update(
+            sorted_keys, sorted_table, tables, table, state, partial, verdict, hyper, max(dims), rule
+        )
         return table, state
 
     ok_record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)
@@ -1177,7 +1180,7 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
-    indexing does, and writes each sorted position's row from its key (the last table
+    indexing does, and writes each sorted position's table from its key (the last table
     whose first row is at most the key, of ``1 + n % 5`` tables), over blocks (of 16
     here) with a partial last one, up to the first sentinel key (positions past the ids,
     about a third here, are left as they were); the scale is left alone unless
@@ -1196,15 +1199,15 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     ids = int((keys != k.update_keys.sentinel(key_dtype)).sum())
     src = torch.randint(-(2**40), 2**40, (n,), generator=g)
     scale = torch.rand(n, generator=g)
-    src_out, where_out = torch.full_like(src, -1), torch.full((n, k.sort_order.WHERE_WORDS), -1, dtype=torch.int64)
+    src_out, table_out = torch.full_like(src, -1), torch.full((n,), -1, dtype=torch.int32)
     scale_out = torch.full((n,), float("nan"))
-    k.sort_order.sort_order(keys, order, src, scale, tables, src_out, scale_out, where_out, scaled)
+    k.sort_order.sort_order(keys, order, src, scale, tables, src_out, scale_out, table_out, scaled)
     assert torch.equal(src_out[:ids], src[order][:ids])
+    firsts = tables[:, 0].tolist()
     for p in range(ids):
         key = int(keys[p])
-        base, w_at, dim, s_at = max((row for row in tables.tolist() if row[0] <= key), key=lambda row: row[0])
-        assert where_out[p].tolist() == [w_at + (key - base) * dim, dim, s_at + key - base], p
-    assert bool((src_out[ids:] == -1).all() and (where_out[ids:] == -1).all())
+        assert int(table_out[p]) == max(t for t, first in enumerate(firsts) if first <= key), p
+    assert bool((src_out[ids:] == -1).all() and (table_out[ids:] == -1).all())
     if scaled:
         assert torch.equal(scale_out[:ids], scale[order][:ids]) and bool(scale_out[ids:].isnan().all())
     else:

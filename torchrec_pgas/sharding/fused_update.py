@@ -38,7 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
-from torchrec_pgas.kernels.sort_order import WHERE_WORDS, sort_order
+from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
 from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
 
@@ -133,13 +133,13 @@ def row_tables(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> List[List[int]]:
 class SortedIds:
     """One lookup group's ids of a step as its update reads them (``prepare``): the
     stable sort of their row keys, and in that order each one's gradient row (an offset
-    in the gradient, rows of the pitch ``prepare`` was given), scale and row (see
-    ``kernels/update_keys`` and ``kernels/sort_order``)."""
+    in the gradient, rows of the pitch ``prepare`` was given), scale and table (its row
+    of ``GroupUpdate.tables``; see ``kernels/update_keys`` and ``kernels/sort_order``)."""
 
     keys: torch.Tensor
     src: torch.Tensor
     scale: torch.Tensor
-    where: torch.Tensor
+    table_index: torch.Tensor
 
 
 class FusedUpdate:
@@ -234,9 +234,9 @@ class FusedUpdate:
                 keys,
                 torch.empty_like(src),
                 torch.empty_like(scale) if scaled else scale,
-                torch.empty(n, WHERE_WORDS, dtype=torch.int64, device=dev),
+                torch.empty(n, dtype=torch.int32, device=dev),
             )
-            sort_order(keys, order, src, scale, group.tables, ids.src, ids.scale, ids.where, scaled)
+            sort_order(keys, order, src, scale, group.tables, ids.src, ids.scale, ids.table_index, scaled)
             prepared.append(ids)
         return prepared
 
@@ -275,7 +275,8 @@ class FusedUpdate:
                 ids.keys,
                 ids.src,
                 ids.scale,
-                ids.where,
+                ids.table_index,
+                group.tables,
                 grad,
                 tbe.weights_dev,
                 state,
@@ -288,7 +289,8 @@ class FusedUpdate:
             )
             run_update(
                 ids.keys,
-                ids.where,
+                ids.table_index,
+                group.tables,
                 tbe.weights_dev,
                 state,
                 partial,
