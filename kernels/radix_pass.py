@@ -26,10 +26,10 @@ Buffers:
                 first pass: the position itself)
     first:      int64 [1]  the first position to sort
     end:        int64 [1]  the end of the positions to sort (at most N)
-    counts:     int32 or int64 (as ``values``) [RADIX, tiles]  out when counting: per
-                digit and tile, its keys; in when scattering
-    sums:       int32 or int64 (as ``values``) [RADIX * tiles]  in when scattering:
-                ``counts``' cumulative sum, digit-major
+    counts:     int32 [RADIX, tiles]  out when counting: per digit and tile, its keys;
+                in when scattering
+    sums:       int32 [RADIX * tiles]  in when scattering: ``counts``' cumulative sum,
+                digit-major
     keys_out:   int32 or int64 [N]  out when scattering: the keys in the pass's order
                 (with ``LAST``, the sentinel past them)
     values_out: int32 or int64 [N]  out when scattering: their positions
@@ -88,7 +88,7 @@ def radix_pass_kernel(
     radix = tl.arange(0, RADIX)
     one_hot = ((digit[:, None] == radix[None, :]) & inside[:, None]).to(tl.int32)
     if not SCATTER:
-        tl.store(counts_ptr + radix.to(tl.int64) * tiles + t, tl.sum(one_hot, axis=0).to(counts_ptr.dtype.element_ty))
+        tl.store(counts_ptr + radix.to(tl.int64) * tiles + t, tl.sum(one_hot, axis=0))
     else:
         if t * TILE < m:
             # Earlier keys of the same digit in the tile, then in earlier tiles and digits.
@@ -125,8 +125,8 @@ def radix_sort(
     n = keys.numel()
     index = torch.int32 if n < 2**31 else torch.int64
     tiles = max(cdiv(n, TILE), 1)
-    counts = torch.empty(RADIX, tiles, dtype=index, device=keys.device)
-    sums = torch.empty(RADIX * tiles, dtype=index, device=keys.device)
+    counts = torch.empty(RADIX, tiles, dtype=torch.int32, device=keys.device)
+    sums = torch.empty(RADIX * tiles, dtype=torch.int32, device=keys.device)
     buffers = [(keys, torch.empty(n, dtype=index, device=keys.device))]
     buffers.append((torch.empty_like(keys), torch.empty(n, dtype=index, device=keys.device)))
     shifts = passes(key_bits)
@@ -134,7 +134,7 @@ def radix_sort(
         (k_in, v_in), (k_out, v_out) = buffers[i % 2], buffers[(i + 1) % 2]
         for scatter in (False, True):
             if scatter:
-                torch.cumsum(counts.view(-1), 0, dtype=index, out=sums)
+                torch.cumsum(counts.view(-1), 0, dtype=torch.int32, out=sums)
             _launcher[(tiles,)](
                 k_in,
                 v_in,
