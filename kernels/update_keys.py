@@ -137,15 +137,13 @@ def update_keys(
     pitch: int,
     scaled: bool,
     weighted: bool,
-    pad: bool = True,
 ) -> None:
-    """Launches ``cdiv(bags, BLOCK_B)`` programs, and with ``pad`` the
-    ``cdiv(N, BLOCK_B * BLOCK_J)`` that put the sentinel outside the ids (see the
-    module docstring): a sort of the ids' span alone (``radix_pass``) reads none."""
+    """Launches ``cdiv(bags, BLOCK_B) + cdiv(N, BLOCK_B * BLOCK_J)`` programs (see the
+    module docstring)."""
     n, bags = indices.numel(), offsets.numel() - 1
     if n == 0:
         return
-    _launcher[(cdiv(bags, BLOCK_B) + (cdiv(n, BLOCK_B * BLOCK_J) if pad else 0),)](
+    _launcher[(cdiv(bags, BLOCK_B) + cdiv(n, BLOCK_B * BLOCK_J),)](
         offsets,
         indices,
         weights,

@@ -403,7 +403,6 @@ CASES = {
         {
             "keys_ptr": "*i32",
             "values_ptr": "*i32",
-            "first_ptr": "*i64",
             "end_ptr": "*i64",
             "counts_ptr": "*i32",
             "sums_ptr": "*i32",

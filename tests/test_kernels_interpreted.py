@@ -1139,8 +1139,7 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     """``update_keys`` against a Python reference, position by position: bags of 0 to 70
     ids over several programs (8 bags each, 16 ids at a time), two features sharing a
     table, a padded capacity past the ids (the sentinel; with int64 keys, offsets that
-    start past 0 too), where nothing but the key is written, and nothing at all
-    without ``pad``."""
+    start past 0 too), where nothing but the key is written."""
     monkeypatch.setattr(k.update_keys, "BLOCK_B", 8)
     monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
     g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
@@ -1157,7 +1156,6 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     src = torch.full((n,), -7, dtype=torch.int64)
     scale = torch.full((n,), float("nan"))
     scaled = weighted or mean
-    unpadded = keys.clone()
     k.update_keys.update_keys(
         offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, B, pitch,
         scaled, weighted,
@@ -1165,13 +1163,6 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     no_id = torch.cat([torch.arange(first_id), torch.arange(total, n)])
     assert bool((keys[no_id] == k.update_keys.sentinel(key_dtype)).all())
     assert bool((src[no_id] == -7).all() and scale[no_id].isnan().all())
-    # Without ``pad`` (a sort of the ids' span alone), the same ids and nothing outside them.
-    k.update_keys.update_keys(
-        offsets, indices, weights if weighted else torch.empty(1), features, unpadded, src, scale, B, pitch,
-        scaled, weighted, pad=False,
-    )  # fmt: skip
-    assert bool((unpadded[no_id] == -7).all())
-    assert torch.equal(unpadded[first_id:total], keys[first_id:total])
     for bag in range(F * B):
         f, row = divmod(bag, B)
         first, col, _ = features[f].tolist()
@@ -1227,29 +1218,26 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
 @_interpreted
 @pytest.mark.parametrize("seed", range(6))
 def test_radix_sort_equals_torch_stable_sort(k, seed, monkeypatch):
-    """``radix_sort`` sorts the keys of ``[first, end)`` as a stable ``torch.sort`` of
-    them does (their positions included), reads no key outside them, and writes the
-    sentinel after them, for int32 and int64 keys, row counts whose bits are not a
-    whole number of passes, tiles of 64 or 128 positions (the last partial), spans
-    from empty to the whole capacity, and runs of equal keys (few rows)."""
+    """``radix_sort`` sorts the keys before ``end`` as a stable ``torch.sort`` does
+    (their positions included), the sentinel keys among them (before the first bag)
+    last, and writes the sentinel past ``end``, for int32 and int64 keys, row counts
+    whose bits are not a whole number of passes, tiles of 64 or 128 positions (the
+    last partial), ``end`` from 0 to the capacity, and runs of equal keys (few rows)."""
     monkeypatch.setattr(k.radix_pass, "TILE", 64 if seed % 2 else 128)
     g = torch.Generator().manual_seed(seed)
     key_dtype = torch.int64 if seed % 3 == 2 else torch.int32
     sentinel = torch.iinfo(key_dtype).max
     n = int(torch.randint(1, 700, (1,), generator=g))
-    first, end = [(0, 0), (0, n), (n // 5, n // 3)][seed % 3]
-    if seed >= 3:
-        first, end = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+    end = [0, n, n // 3][seed % 3] if seed < 3 else int(torch.randint(0, n + 1, (1,), generator=g))
     rows = [3, 1000, 2**20 + 5][seed % 3]
-    # Outside the span: keys of no row, which the sort must not read.
-    keys = torch.full((n,), -7, dtype=key_dtype)
-    keys[first:end] = torch.randint(0, rows, (end - first,), generator=g).to(key_dtype)
-    expected_keys, expected_order = torch.sort(keys[first:end], stable=True)
-    span = torch.tensor([first, end], dtype=torch.int64)
-    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), span[:1], span[1:], rows.bit_length(), sentinel)
-    assert torch.equal(sorted_keys[: end - first], expected_keys)
-    assert bool((sorted_keys[end - first :] == sentinel).all())
-    assert torch.equal(order[: end - first].long(), expected_order + first)
+    keys = torch.full((n,), sentinel, dtype=key_dtype)
+    keys[:end] = torch.randint(0, rows, (end,), generator=g).to(key_dtype)
+    keys[: end // 5] = sentinel  # positions before the first bag
+    expected_keys, expected_order = torch.sort(keys, stable=True)
+    end_tensor = torch.tensor([end], dtype=torch.int64)
+    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), end_tensor, rows.bit_length(), sentinel)
+    assert torch.equal(sorted_keys, expected_keys)
+    assert torch.equal(order[:end].long(), expected_order[:end])
     assert order.dtype == torch.int32
 
 
@@ -1257,19 +1245,17 @@ def test_radix_sort_equals_torch_stable_sort(k, seed, monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_radix_sort_of_keys_past_its_bits_stays_in_bounds(k, seed, monkeypatch):
     """Keys outside the rows (a bad batch's ids, whose step updates nothing) are sorted
-    by their low bits only, but every key is written once, inside the span's size: the
-    positions are a permutation of the span's."""
+    by their low bits only, but every key is written once, inside ``[0, end)``: the
+    positions are a permutation of those before ``end``."""
     monkeypatch.setattr(k.radix_pass, "TILE", 64)
     g = torch.Generator().manual_seed(seed)
-    n, first, end = 300, 20, 250
+    n, end = 300, 250
     keys = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)
-    span = torch.tensor([first, end])
-    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), span[:1], span[1:], 8, 2**31 - 1)
-    m = end - first
-    assert sorted(order[:m].tolist()) == list(range(first, end))
-    assert torch.equal(sorted_keys[:m], keys[order[:m].long()])
-    assert bool((sorted_keys[m:] == 2**31 - 1).all())
-    low = sorted_keys[:m] & 255
+    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), torch.tensor([end]), 8, 2**31 - 1)
+    assert sorted(order[:end].tolist()) == list(range(end))
+    assert torch.equal(sorted_keys[:end], keys[order[:end].long()])
+    assert bool((sorted_keys[end:] == 2**31 - 1).all())
+    low = sorted_keys[:end] & 255
     assert bool((low[1:] >= low[:-1]).all())
 
 
@@ -1283,17 +1269,15 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed, monkeypatch):
     batch's ids (1e-6) over three steps whose learning rate changes (through the fused
     optimizer, through FBGEMM's module), and a bad step's record updates neither. The
     ids are sorted by ``torch.sort`` (seed 0) or by the radix passes (seed 1, tiles of 16)."""
+    if seed == 1:
+        monkeypatch.setattr(k.radix_pass, "MIN_KEYS", 0)
+        monkeypatch.setattr(k.radix_pass, "TILE", 16)
     import copy
     from types import SimpleNamespace
 
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_pgas.sharding import fused_update
     from torchrec_pgas.sharding.fused_update import FusedUpdate
-
-    if seed == 1:
-        monkeypatch.setattr(fused_update, "MIN_KEYS", 0)
-        monkeypatch.setattr(k.radix_pass, "TILE", 16)
 
     specs = [("EXACT_SGD", [8, 16], [0, 1]), ("EXACT_ROWWISE_ADAGRAD", [4], [0])]
     refs = [

@@ -1,7 +1,7 @@
 """The owner's training step without FBGEMM's backward: the lookup pools straight from
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
 fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
-``kernels/radix_pass``, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
+a stable sort, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
 ``kernels/row_update``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
@@ -35,7 +35,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.radix_pass import MIN_KEYS, radix_sort
+from torchrec_pgas.kernels.radix_pass import stable_sort
 from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
@@ -216,9 +216,6 @@ class FusedUpdate:
         for group, kjt in zip(groups, kjts):
             indices, offsets = kjt.values(), kjt.offsets()
             n, scaled, dev = indices.numel(), self._scaled(group), indices.device
-            # ``torch.sort`` sorts every position (those outside the ids get the
-            # sentinel); the radix passes only the ids' span, read on the device.
-            whole = n < MIN_KEYS
             keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
@@ -234,12 +231,8 @@ class FusedUpdate:
                 pitch,
                 scaled,
                 self._weighted,
-                pad=whole,
             )
-            if whole:
-                keys, order = torch.sort(keys, stable=True)
-            else:
-                keys, order = radix_sort(keys, offsets[:1], offsets[-1:], group.key_bits, sentinel(group.keys))
+            keys, order = stable_sort(keys, offsets[-1:], group.key_bits, sentinel(group.keys))
             ids = SortedIds(
                 keys,
                 torch.empty_like(src),
