@@ -36,7 +36,6 @@ from torchrec_pgas.kernels.local_finish import local_finish_kernel  # noqa: E402
 from torchrec_pgas.kernels.lookup_put import lookup_put_kernel  # noqa: E402
 from torchrec_pgas.kernels.output_take import output_take_kernel  # noqa: E402
 from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
-from torchrec_pgas.kernels.radix_pass import radix_pass_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
@@ -398,29 +397,6 @@ CASES = {
             for scaled in (False, True)
         ],
     ),
-    "radix_pass": (
-        radix_pass_kernel,
-        {
-            "keys_ptr": "*i32",
-            "values_ptr": "*i32",
-            "end_ptr": "*i64",
-            "counts_ptr": "*i32",
-            "sums_ptr": "*i32",
-            "keys_out_ptr": "*i32",
-            "values_out_ptr": "*i32",
-        },
-        [
-            {
-                "FIRST": first,
-                "SCATTER": scatter,
-                "LAST": last,
-                "SENTINEL": 2**31 - 1,
-                "RADIX": 16,
-                "TILE": 1024,
-            }
-            for first, scatter, last in ((True, False, False), (True, True, False), (False, True, True))
-        ],
-    ),
     "step_verdict": (
         step_verdict_kernel,
         {"record_ptr": "*i64", "err_ptr": "*i64", "verdict_ptr": "*i64"},
@@ -486,15 +462,11 @@ CASES = {
     ),
 }
 # Groups of more rows than the int32 sentinel key by int64.
-for _name, _keys in (
-    ("update_keys", ["keys_ptr"]),
-    ("sort_order", ["keys_ptr"]),
-    ("radix_pass", ["keys_ptr", "keys_out_ptr"]),
-):
+for _name in ("update_keys", "sort_order"):
     _kernel, _signature, _variants = CASES[_name]
     CASES[f"{_name}_int64_keys"] = (
         _kernel,
-        {**_signature, **dict.fromkeys(_keys, "*i64")},
+        {**_signature, "keys_ptr": "*i64"},
         [{**_variants[-1], "SENTINEL": 2**63 - 1}],
     )
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):

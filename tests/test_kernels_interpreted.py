@@ -66,7 +66,6 @@ def k():
         local_finish,
         lookup_put,
         output_take,
-        radix_pass,
         row_buckets,
         row_update,
         rows_put,
@@ -84,7 +83,7 @@ def k():
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
     Kernels.run_update, Kernels.step_verdict, Kernels.sort_order = run_update, step_verdict, sort_order
-    Kernels.local_finish, Kernels.radix_pass = local_finish, radix_pass
+    Kernels.local_finish = local_finish
     return Kernels
 
 
@@ -1216,62 +1215,14 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
 
 
 @_interpreted
-@pytest.mark.parametrize("seed", range(6))
-def test_radix_sort_equals_torch_stable_sort(k, seed, monkeypatch):
-    """``radix_sort`` sorts the keys before ``end`` as a stable ``torch.sort`` does
-    (their positions included), the sentinel keys among them (before the first bag)
-    last, and writes the sentinel past ``end``, for int32 and int64 keys, row counts
-    whose bits are not a whole number of passes, tiles of 64 or 128 positions (the
-    last partial), ``end`` from 0 to the capacity, and runs of equal keys (few rows)."""
-    monkeypatch.setattr(k.radix_pass, "TILE", 64 if seed % 2 else 128)
-    g = torch.Generator().manual_seed(seed)
-    key_dtype = torch.int64 if seed % 3 == 2 else torch.int32
-    sentinel = torch.iinfo(key_dtype).max
-    n = int(torch.randint(1, 700, (1,), generator=g))
-    end = [0, n, n // 3][seed % 3] if seed < 3 else int(torch.randint(0, n + 1, (1,), generator=g))
-    rows = [3, 1000, 2**20 + 5][seed % 3]
-    keys = torch.full((n,), sentinel, dtype=key_dtype)
-    keys[:end] = torch.randint(0, rows, (end,), generator=g).to(key_dtype)
-    keys[: end // 5] = sentinel  # positions before the first bag
-    expected_keys, expected_order = torch.sort(keys, stable=True)
-    end_tensor = torch.tensor([end], dtype=torch.int64)
-    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), end_tensor, rows.bit_length(), sentinel)
-    assert torch.equal(sorted_keys, expected_keys)
-    assert torch.equal(order[:end].long(), expected_order[:end])
-    assert order.dtype == torch.int32
-
-
-@_interpreted
 @pytest.mark.parametrize("seed", [0, 1])
-def test_radix_sort_of_keys_past_its_bits_stays_in_bounds(k, seed, monkeypatch):
-    """Keys outside the rows (a bad batch's ids, whose step updates nothing) are sorted
-    by their low bits only, but every key is written once, inside ``[0, end)``: the
-    positions are a permutation of those before ``end``."""
-    monkeypatch.setattr(k.radix_pass, "TILE", 64)
-    g = torch.Generator().manual_seed(seed)
-    n, end = 300, 250
-    keys = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)
-    sorted_keys, order = k.radix_pass.radix_sort(keys.clone(), torch.tensor([end]), 8, 2**31 - 1)
-    assert sorted(order[:end].tolist()) == list(range(end))
-    assert torch.equal(sorted_keys[:end], keys[order[:end].long()])
-    assert bool((sorted_keys[end:] == 2**31 - 1).all())
-    low = sorted_keys[:end] & 255
-    assert bool((low[1:] >= low[:-1]).all())
-
-
-@_interpreted
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fused_update_of_several_groups_matches_fbgemm(k, seed, monkeypatch):
+def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     """``FusedUpdate`` as the owner runs it: two lookup groups (``EXACT_SGD`` over two
     tables, ``EXACT_ROWWISE_ADAGRAD`` over one) read their columns of one gradient
     (the second group's after the first's), from index tensors of fixed capacity padded
     past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
     batch's ids (1e-6) over three steps whose learning rate changes (through the fused
-    optimizer, through FBGEMM's module), and a bad step's record updates neither. The
-    ids are sorted by ``torch.sort`` (seed 0) or by the radix passes (seed 1, tiles of 16)."""
-    if seed == 1:
-        monkeypatch.setattr(k.radix_pass, "MIN_KEYS", 0)
-        monkeypatch.setattr(k.radix_pass, "TILE", 16)
+    optimizer, through FBGEMM's module), and a bad step's record updates neither."""
     import copy
     from types import SimpleNamespace
 

@@ -35,13 +35,12 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.kernels.radix_pass import stable_sort
 from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
-from torchrec_pgas.kernels.update_keys import key_dtype, sentinel, update_keys
+from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
 #: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
@@ -65,7 +64,6 @@ class GroupUpdate:
     optim: int
     max_dim: int
     keys: torch.dtype
-    key_bits: int
     mean: bool
     optimizer: Optional[torch.optim.Optimizer]
     hyper: torch.Tensor
@@ -180,7 +178,6 @@ class FusedUpdate:
                     optim=_OPTIMS[t.optimizer],
                     max_dim=max(width),
                     keys=key_dtype(int(t.total_hash_size)),
-                    key_bits=int(t.total_hash_size).bit_length(),
                     mean=bool(mean),
                     optimizer=getattr(m, "fused_optimizer", None),
                     hyper=torch.zeros(HYPER_WORDS, dtype=torch.float32, device=self._dev),
@@ -232,7 +229,7 @@ class FusedUpdate:
                 scaled,
                 self._weighted,
             )
-            keys, order = stable_sort(keys, offsets[-1:], group.key_bits, sentinel(group.keys))
+            keys, order = torch.sort(keys, stable=True)
             ids = SortedIds(
                 keys,
                 torch.empty_like(src),
