@@ -11,8 +11,8 @@ whose first row is the last at most the key (a binary search of the few tables, 
 stay in cache), then the row's offset in that table (``row_place``). The search is done
 here, once per position, and its result is one int32 per position: the update finds the
 row's offset, dim and optimizer state from it and the key with one cached load, where
-three int64 words per position written here and read there were a sixth of this pass's
-traffic and the update's largest read after the gradient and the weights.
+three int64 words per position written here and read there were two fifths of this
+pass's traffic and the update's largest read after the gradient and the weights.
 
 Program ``p`` takes sorted positions ``p * BLOCK ...``.
 
