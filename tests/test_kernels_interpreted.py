@@ -26,6 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Capacity, Header, IdsSlotLayout, Status  # noqa: E402
 from torchrec_pgas.kernels.put_signal import copy_bytes, grid_size, program_share  # noqa: E402
+from torchrec_pgas.kernels.sort_order import row_place  # noqa: E402
 from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, StepRef  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -1174,6 +1175,16 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
                 assert float(scale[p]) == expected, (bag, p)
 
 
+@triton.jit
+def _row_places(tables, table_index, keys, out, TABLE_WORDS: tl.constexpr):
+    """Each position's ``row_place`` (weights offset, dim, state index), as a row of ``out``."""
+    p = tl.program_id(0)
+    at, dim, state_at = row_place(tables, tl.load(table_index + p), tl.load(keys + p), True, TABLE_WORDS)
+    tl.store(out + p * 3, at)
+    tl.store(out + p * 3 + 1, dim)
+    tl.store(out + p * 3 + 2, state_at)
+
+
 @_interpreted
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 5, 37, 64])
@@ -1181,7 +1192,8 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
     indexing does, and writes each sorted position's table from its key (the last table
-    whose first row is at most the key, of ``1 + n % 5`` tables), over blocks (of 16
+    whose first row is at most the key, of ``1 + n % 5`` tables; with the key, it gives
+    the row's place, ``row_place``), over blocks (of 16
     here) with a partial last one, up to the first sentinel key (positions past the ids,
     about a third here, are left as they were); the scale is left alone unless
     ``scaled``."""
@@ -1204,9 +1216,15 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     k.sort_order.sort_order(keys, order, src, scale, tables, src_out, scale_out, table_out, scaled)
     assert torch.equal(src_out[:ids], src[order][:ids])
     firsts = tables[:, 0].tolist()
+    places = torch.full((max(ids, 1), 3), -1, dtype=torch.int64)
+    if ids:
+        _row_places[(ids,)](tables, table_out, keys, places, TABLE_WORDS=k.sort_order.TABLE_WORDS)
     for p in range(ids):
         key = int(keys[p])
         assert int(table_out[p]) == max(t for t, first in enumerate(firsts) if first <= key), p
+        # The row's place the update finds from the table and the key (``row_place``).
+        base, w_at, dim, s_at = max((row for row in tables.tolist() if row[0] <= key), key=lambda row: row[0])
+        assert places[p].tolist() == [w_at + (key - base) * dim, dim, s_at + key - base], p
     assert bool((src_out[ids:] == -1).all() and (table_out[ids:] == -1).all())
     if scaled:
         assert torch.equal(scale_out[:ids], scale[order][:ids]) and bool(scale_out[ids:].isnan().all())
