@@ -7,10 +7,12 @@ most one: the block's last). Most blocks have none: a program per block spent it
 on the programs' count alone at large batches. The row's sum is the block's partial sum
 (``partial[2 * b + 1]``) plus those of the following blocks the run goes through
 (``partial[2 * c]`` for every block ``c`` that begins with the row, found by a binary
-search of the blocks' first keys, for all the program's owners at once), added
-``CHUNK`` blocks at a time with no dependent loads between chunks, so that a row read
-by a large share of the batch costs a few steps of one program after ``row_update``
-summed its occurrences in parallel.
+search of the blocks' first keys, for all the program's owners at once): the blocks
+before the first group of ``run_groups.GROUP`` blocks that the run covers, the covered
+groups' sums (``sums[j]``, from ``run_groups``), then the blocks after them, each
+``CHUNK`` rows at a time with no dependent loads between the rows of a chunk. A row read
+by a large share of the batch thus costs a few steps of one program after ``row_update``
+and ``run_groups`` summed its occurrences in parallel.
 
 Nothing is updated for a bad step (``verdict``, see ``row_update``).
 
@@ -24,6 +26,8 @@ Buffers:
     state:     float32 [...]  the row-wise optimizer state, in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  the blocks'
                sums (``row_update``)
+    sums:      float32 ``run_groups.sums_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``
+               the sums of the groups of blocks that one run covers (``run_groups``)
     verdict:   int64 [1]  nonzero for a bad step (``step_verdict``)
     hyper:     float32 [HYPER_WORDS]  the optimizer's learning rate, eps and weight
                decay (``row_step``)
@@ -33,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_pgas.kernels import run_groups
 from torchrec_pgas.kernels.launch import Launcher, cdiv
 from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
 from torchrec_pgas.kernels.row_update import block_positions, dim_block
@@ -54,6 +59,7 @@ def run_update_kernel(
     weights_ptr,
     state_ptr,
     partial_ptr,
+    sums_ptr,
     verdict_ptr,
     n: tl.int64,
     blocks: tl.int64,
@@ -65,6 +71,7 @@ def run_update_kernel(
     TABLE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
+    GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTIAL_PITCH: tl.constexpr,
@@ -109,15 +116,15 @@ def run_update_kernel(
                 at, dim, state_at = row_place(tables_ptr, table, last_key, owner, TABLE_WORDS)
                 inside = owner[:, None] & (d[None, :] < dim[:, None])
                 acc = tl.load(partial_ptr + (2 * b + 1) * PARTIAL_PITCH + d[None, :], mask=inside, other=0.0)
-                c = b + 1 + tl.arange(0, CHUNK).to(tl.int64)
-                for _ in range(b + 1, run_end + 1, CHUNK):
-                    part = tl.load(
-                        partial_ptr + (2 * c[:, None]) * PARTIAL_PITCH + d[None, :],
-                        mask=(c[:, None] <= run_end) & (d[None, :] < dim[:, None]),
-                        other=0.0,
-                    )
-                    acc += tl.sum(part, axis=0)[None, :]
-                    c += CHUNK
+                # The blocks up to the first group after b, the groups the run covers
+                # (``run_groups`` summed them), then the blocks after those.
+                first_group = (b + GROUP) // GROUP
+                last_group = (run_end + 1) // GROUP - 1
+                head_end = tl.minimum(run_end, first_group * GROUP - 1)
+                acc = run_groups.add_rows(acc, partial_ptr, b + 1, head_end, 2, PARTIAL_PITCH, d, dim, CHUNK)
+                acc = run_groups.add_rows(acc, sums_ptr, first_group, last_group, 1, PARTIAL_PITCH, d, dim, CHUNK)
+                tail = tl.maximum(head_end + 1, (last_group + 1) * GROUP)
+                acc = run_groups.add_rows(acc, partial_ptr, tail, run_end, 2, PARTIAL_PITCH, d, dim, CHUNK)
                 w_ptr = weights_ptr + at[:, None] + d[None, :]
                 w = tl.load(w_ptr, mask=inside, other=0.0)
                 state = tl.zeros([1], dtype=tl.float32)
@@ -149,6 +156,7 @@ def run_update(
     weights: torch.Tensor,
     state: torch.Tensor,
     partial: torch.Tensor,
+    sums: torch.Tensor,
     verdict: torch.Tensor,
     hyper: torch.Tensor,
     max_dim: int,
@@ -168,6 +176,7 @@ def run_update(
         weights,
         state,
         partial,
+        sums,
         verdict,
         n,
         blocks,
@@ -179,6 +188,7 @@ def run_update(
         TABLE_WORDS=TABLE_WORDS,
         BLOCK=block,
         BLOCKS=BLOCKS,
+        GROUP=run_groups.GROUP,
         CHUNK=max(1, TILE // block_d),
         BLOCK_D=block_d,
         PARTIAL_PITCH=partial.stride(0),

@@ -25,6 +25,7 @@ from torchrec_pgas.kernels import (
     put_signal,  # noqa: E402
     row_update,  # noqa: E402
     rows_put,  # noqa: E402
+    run_groups,  # noqa: E402
     run_update,  # noqa: E402
 )
 from torchrec_pgas.kernels.bag_offsets import bag_offsets_kernel  # noqa: E402
@@ -39,6 +40,7 @@ from torchrec_pgas.kernels.put_signal import put_signal_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_buckets import row_buckets_kernel  # noqa: E402
 from torchrec_pgas.kernels.row_update import row_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.rows_put import rows_put_kernel  # noqa: E402
+from torchrec_pgas.kernels.run_groups import run_groups_kernel  # noqa: E402
 from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
 from torchrec_pgas.kernels.sort_order import TABLE_WORDS, sort_order_kernel  # noqa: E402
@@ -443,6 +445,7 @@ CASES = {
             "weights_ptr": "*fp32",
             "state_ptr": "*fp32",
             "partial_ptr": "*fp32",
+            "sums_ptr": "*fp32",
             "verdict_ptr": "*i64",
             "hyper_ptr": "*fp32",
         },
@@ -453,11 +456,27 @@ CASES = {
                 "TABLE_WORDS": TABLE_WORDS,
                 "BLOCK": 32,
                 "BLOCKS": run_update.BLOCKS,
+                "GROUP": run_groups.GROUP,
                 "CHUNK": 8,
                 "BLOCK_D": 128,
                 "PARTIAL_PITCH": 128,
             }
             for optim in (0, 1)
+        ],
+    ),
+    "run_groups": (
+        run_groups_kernel,
+        {"keys_ptr": "*i32", "partial_ptr": "*fp32", "sums_ptr": "*fp32"},
+        [
+            {
+                "SENTINEL": 2**31 - 1,
+                "BLOCK": 64,
+                "GROUP": run_groups.GROUP,
+                "CHUNK": chunk,
+                "BLOCK_D": block_d,
+                "PITCH": pitch,
+            }
+            for chunk, block_d, pitch in ((4, 128, 128), (1, 1024, 1008))
         ],
     ),
 }

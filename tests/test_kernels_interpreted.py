@@ -70,6 +70,7 @@ def k():
         row_buckets,
         row_update,
         rows_put,
+        run_groups,
         run_update,
         sort_order,
         step_verdict,
@@ -84,7 +85,7 @@ def k():
     Kernels.lookup_put, Kernels.row_buckets, Kernels.grads_put = lookup_put, row_buckets, grads_put
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
     Kernels.run_update, Kernels.step_verdict, Kernels.sort_order = run_update, step_verdict, sort_order
-    Kernels.local_finish = local_finish
+    Kernels.local_finish, Kernels.run_groups = local_finish, run_groups
     return Kernels
 
 
@@ -976,7 +977,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     empty bags; rows wide enough (``wide``) that a tile takes fewer positions; blocks of
     two (seed 0) or four positions in tiles of two (seed 1), so that most repeated rows
     cross blocks and ``run_update`` sums them a chunk of one or two blocks at a time (its
-    programs checking one block or four), and
+    programs checking one block or four), long runs covering groups of two or three
+    blocks that ``run_groups`` sums first, and
     ``update_keys`` takes four bags per program, two or four ids at a time; int64 keys and
     no padding (seed 2); the kernels' own shapes over many blocks and programs, a third
     of the capacity padding (seed 3). A bad step's record, or an error of the
@@ -991,6 +993,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
         # A program checks one block, or four (runs owned by several of its blocks).
         monkeypatch.setattr(k.run_update, "BLOCKS", 1 if seed == 0 else 4)
+        # Groups of two or three blocks: long runs cover groups, and begin and end
+        # inside them or on their edges.
+        monkeypatch.setattr(k.run_groups, "GROUP", 2 if seed == 0 else 3)
+        monkeypatch.setattr(k.run_groups, "TILE", 32 if seed == 0 else 16)
         # Keys of several programs' bags, each bag's ids a few at a time.
         monkeypatch.setattr(k.update_keys, "BLOCK_B", 4)
         monkeypatch.setattr(k.update_keys, "BLOCK_J", 2 * (seed + 1))
@@ -1064,8 +1070,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
             sorted_keys, src, scale, sorted_table, tables, grad, table, state, partial, verdict, hyper, max(dims), rule,
             scaled,
         )  # fmt: skip
+        sums = torch.full(k.run_groups.sums_shape(n, max(dims)), float("nan"))
+        k.run_groups.run_groups(sorted_keys, partial, sums, max(dims))
         k.run_update.run_update(
-            sorted_keys, sorted_table, tables, table, state, partial, verdict, hyper, max(dims), rule
+            sorted_keys, sorted_table, tables, table, state, partial, sums, verdict, hyper, max(dims), rule
         )
         return table, state
 

@@ -2,7 +2,7 @@
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
 fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
 a stable sort, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
-``kernels/row_update``, ``kernels/run_update``).
+``kernels/row_update``, ``kernels/run_groups``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
 index tensor had to hold exactly the batch's ids, whose count the host then read back:
@@ -37,6 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
+from torchrec_pgas.kernels.run_groups import run_groups, sums_shape
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
@@ -266,6 +267,7 @@ class FusedUpdate:
         for group, ids in zip(groups, prepared):
             tbe, n = group.tbe, ids.keys.numel()
             partial = torch.empty(partial_shape(n, group.max_dim), dtype=torch.float32, device=grad.device)
+            sums = torch.empty(sums_shape(n, group.max_dim), dtype=torch.float32, device=grad.device)
             adagrad = group.optim == ROWWISE_ADAGRAD
             state = tbe.momentum1_dev if adagrad else self._no_weights
             rule = StepRule(group.optim, int(tbe.optimizer_args.weight_decay_mode) if adagrad else 0)
@@ -287,6 +289,7 @@ class FusedUpdate:
                 rule,
                 self._scaled(group),
             )
+            run_groups(ids.keys, partial, sums, group.max_dim)
             run_update(
                 ids.keys,
                 ids.table_index,
@@ -294,6 +297,7 @@ class FusedUpdate:
                 tbe.weights_dev,
                 state,
                 partial,
+                sums,
                 verdict,
                 group.hyper,
                 group.max_dim,
