@@ -1,10 +1,12 @@
 """Puts ``update_keys``' per-position arrays in the sort's order, and writes which table
 each sorted position's row lies in, so that the update (``row_update``, ``run_update``)
-reads each sorted position's gradient row, scale and row with no permutation: one pass
-over the sort's order, where an indexing per array would read the order once per array.
-Positions past the batch's ids (their key is the sentinel: the sort put them last) are
-left as they are: the update reads nothing of them, and the index tensor's capacity is
-often twice the batch's ids.
+reads each sorted position's key, gradient row, scale and row with no permutation: one
+pass over the sort's order, where an indexing per array would read the order once per
+array. The sort gives only the order (``fused_update.sort_positions``: FBGEMM's radix sort over the
+bits of the group's row count, with int32 positions), so the keys are put in its order
+here too; positions past the batch's ids (their key is ``rows``: the sort put them last)
+get the update's sentinel and nothing else: the update reads nothing more of them, and
+the index tensor's capacity is often twice the batch's ids.
 
 A row's place follows from its key (its row in the group's rows): the group's table
 whose first row is the last at most the key (a binary search of the few tables, which
@@ -17,8 +19,8 @@ pass's traffic and the update's largest read after the gradient and the weights.
 Program ``p`` takes sorted positions ``p * BLOCK ...``.
 
 Buffers:
-    keys:      int32 or int64 [N]  the sorted keys (``update_keys``)
-    order:     int64 [N]  the stable sort's permutation of the keys' positions
+    keys:      int32 or int64 [N]  the keys (``update_keys``), ``rows`` past the ids
+    order:     int32 or int64 [N]  the stable sort's permutation of the keys' positions
     src:       int64 [N]  each position's gradient row (``update_keys``)
     scale:     float32 [N]  each position's gradient scale (read with ``SCALED``)
     tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows, by first row:
@@ -26,6 +28,7 @@ Buffers:
                its dim, its offset in the optimizer state (rows)
     src_out:   int64 [N]  out: ``src[order]`` (not past the ids)
     scale_out: float32 [N]  out with ``SCALED``: ``scale[order]`` (not past the ids)
+    keys_out:  int32 or int64 [N]  out: ``keys[order]``, the sentinel past the ids
     table_out: int32 [N]  out: each sorted position's table, its row of ``tables`` (not
                past the ids)
 """
@@ -57,17 +60,19 @@ def row_place(tables_ptr, table, key, mask, TABLE_WORDS: tl.constexpr):
     return at, dim, state_at
 
 
-@triton.jit(do_not_specialize=["n", "num_tables"])
+@triton.jit(do_not_specialize=["n", "rows", "num_tables"])
 def sort_order_kernel(
     keys_ptr,
     order_ptr,
     src_ptr,
     scale_ptr,
     tables_ptr,
+    keys_out_ptr,
     src_out_ptr,
     scale_out_ptr,
     table_out_ptr,
     n: tl.int64,
+    rows: tl.int64,
     num_tables: tl.int64,
     SENTINEL: tl.constexpr,
     TABLE_WORDS: tl.constexpr,
@@ -75,11 +80,11 @@ def sort_order_kernel(
     BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = p < n
-    key = tl.load(keys_ptr + p, mask=inside, other=SENTINEL)
-    inside &= key != SENTINEL
-    key = key.to(tl.int64)
-    q = tl.load(order_ptr + p, mask=inside, other=0)
+    there = p < n
+    q = tl.load(order_ptr + p, mask=there, other=0)
+    key = tl.load(keys_ptr + q, mask=there, other=0).to(tl.int64)
+    inside = there & (key != rows)
+    tl.store(keys_out_ptr + p, tl.where(inside, key, SENTINEL).to(keys_out_ptr.dtype.element_ty), mask=there)
     tl.store(src_out_ptr + p, tl.load(src_ptr + q, mask=inside, other=0), mask=inside)
     if SCALED:
         tl.store(scale_out_ptr + p, tl.load(scale_ptr + q, mask=inside, other=0.0), mask=inside)
@@ -101,16 +106,18 @@ _launcher = Launcher(sort_order_kernel)
 def sort_order(
     keys: torch.Tensor,
     order: torch.Tensor,
+    rows: int,
     src: torch.Tensor,
     scale: torch.Tensor,
     tables: torch.Tensor,
+    keys_out: torch.Tensor,
     src_out: torch.Tensor,
     scale_out: torch.Tensor,
     table_out: torch.Tensor,
     scaled: bool,
 ) -> None:
-    """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring); ``tables`` has at
-    least one row."""
+    """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring) for a group of
+    ``rows`` rows; ``tables`` has at least one row."""
     n = order.numel()
     if n == 0:
         return
@@ -122,12 +129,14 @@ def sort_order(
         src,
         scale,
         tables,
+        keys_out,
         src_out,
         scale_out,
         table_out,
         n,
+        rows,
         tables.size(0),
-        SENTINEL=sentinel(keys.dtype),
+        SENTINEL=sentinel(keys_out.dtype),
         TABLE_WORDS=TABLE_WORDS,
         SCALED=scaled,
         BLOCK=BLOCK,

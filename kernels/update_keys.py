@@ -3,17 +3,19 @@ sparse update (a stable sort of the keys, then ``row_update`` and ``run_update``
 sorts them so that every row's occurrences are adjacent, in batch order.
 
 The index tensor has a fixed capacity (a captured step cannot size it by the batch):
-positions past the last bag's end hold no id and get the sentinel, which sorts last.
+positions past the last bag's end hold no id and get the key ``rows`` (the group's row
+count), which sorts last and, as the largest key, bounds the bits the sort passes over
+(``sort_order`` turns it into the update's sentinel).
 The first ``cdiv(bags, BLOCK_B)`` programs take ``BLOCK_B`` bags each (a bag's feature,
 column and mean pooling are the same for all its ids) and walk their ids ``BLOCK_J`` at
 a time, so that no position searches for its bag (a bag of thousands of ids makes its
 program loop that many times over ``BLOCK_J``); the other ``cdiv(N, BLOCK_B * BLOCK_J)``
-programs put the sentinel past the ids. Per position, they write:
+programs put ``rows`` past the ids. Per position, they write:
 
 * its key, the row in the group's rows (FBGEMM's ``hash_size_cumsum`` of the feature's
   table plus the id: distinct for distinct rows, equal for features sharing a table);
-  int32 where the group has fewer rows than the int32 sentinel, so that the sort has
-  half the bits to pass over;
+  int32 where the group has fewer rows than the int32 sentinel, so that the sort moves
+  half the bytes;
 * where its gradient row starts in the lookup output's gradient (bag row times the
   gradient's pitch plus the feature's column), so that the update reads it with one
   load;
@@ -35,7 +37,7 @@ Buffers:
     weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
     features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
                in the group's rows, its column in the gradient, mean pooling (0/1)
-    keys:      int32 or int64 [N]  out: each position's row key, or the sentinel
+    keys:      int32 or int64 [N]  out: each position's row key, or ``rows``
     src:       int64 [N]  out: each position's gradient row (element offset; undefined
                past the ids)
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
@@ -58,7 +60,8 @@ ROW, COL, MEAN = range(FEATURE_WORDS)
 
 
 def sentinel(dtype: torch.dtype) -> int:
-    """The key of a position past the batch's ids (sorts after every row)."""
+    """The sorted key of a position past the batch's ids, as the update reads it (sorts
+    after every row; ``sort_order`` writes it)."""
     return torch.iinfo(dtype).max
 
 
@@ -67,7 +70,7 @@ def key_dtype(total_rows: int) -> torch.dtype:
     return torch.int32 if total_rows < sentinel(torch.int32) else torch.int64
 
 
-@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch"])
+@triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "rows"])
 def update_keys_kernel(
     offsets_ptr,
     indices_ptr,
@@ -80,7 +83,7 @@ def update_keys_kernel(
     bags: tl.int64,
     bags_per_feature: tl.int64,
     pitch: tl.int64,
-    SENTINEL: tl.constexpr,
+    rows: tl.int64,
     FEATURE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
@@ -90,10 +93,10 @@ def update_keys_kernel(
     pid = tl.program_id(0).to(tl.int64)
     bag_programs = tl.cdiv(bags, BLOCK_B)
     if pid >= bag_programs:
-        # The sentinel past the batch's ids (and before the first bag, should it not start at 0).
+        # ``rows`` past the batch's ids (and before the first bag, should it not start at 0).
         p = (pid - bag_programs) * (BLOCK_B * BLOCK_J) + tl.arange(0, BLOCK_B * BLOCK_J)
         past = (p < n) & ((p >= tl.load(offsets_ptr + bags)) | (p < tl.load(offsets_ptr)))
-        tl.store(keys_ptr + p, tl.full([BLOCK_B * BLOCK_J], SENTINEL, keys_ptr.dtype.element_ty), mask=past)
+        tl.store(keys_ptr + p, (p * 0 + rows).to(keys_ptr.dtype.element_ty), mask=past)
         return
     b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     ok = b < bags
@@ -135,11 +138,12 @@ def update_keys(
     scale: torch.Tensor,
     bags_per_feature: int,
     pitch: int,
+    rows: int,
     scaled: bool,
     weighted: bool,
 ) -> None:
     """Launches ``cdiv(bags, BLOCK_B) + cdiv(N, BLOCK_B * BLOCK_J)`` programs (see the
-    module docstring)."""
+    module docstring) for a group of ``rows`` rows (``rows`` fits ``keys``' dtype)."""
     n, bags = indices.numel(), offsets.numel() - 1
     if n == 0:
         return
@@ -155,7 +159,7 @@ def update_keys(
         bags,
         bags_per_feature,
         pitch,
-        SENTINEL=sentinel(keys.dtype),
+        rows,
         FEATURE_WORDS=FEATURE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,

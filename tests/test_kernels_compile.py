@@ -367,7 +367,6 @@ CASES = {
         },
         [
             {
-                "SENTINEL": 2**31 - 1,
                 "FEATURE_WORDS": FEATURE_WORDS,
                 "SCALED": scaled,
                 "WEIGHTED": w,
@@ -381,10 +380,11 @@ CASES = {
         sort_order_kernel,
         {
             "keys_ptr": "*i32",
-            "order_ptr": "*i64",
+            "order_ptr": "*i32",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
             "tables_ptr": "*i64",
+            "keys_out_ptr": "*i32",
             "src_out_ptr": "*i64",
             "scale_out_ptr": "*fp32",
             "table_out_ptr": "*i32",
@@ -480,13 +480,18 @@ CASES = {
         ],
     ),
 }
-# Groups of more rows than the int32 sentinel key by int64.
-for _name in ("update_keys", "sort_order"):
-    _kernel, _signature, _variants = CASES[_name]
-    CASES[f"{_name}_int64_keys"] = (
-        _kernel,
-        {**_signature, "keys_ptr": "*i64"},
-        [{**_variants[-1], "SENTINEL": 2**63 - 1}],
+# Groups of more rows than the int32 sentinel key by int64 (sorted by ``torch.sort``'s
+# int64 order or FBGEMM's int32 one).
+CASES["update_keys_int64_keys"] = (
+    update_keys_kernel,
+    {**CASES["update_keys"][1], "keys_ptr": "*i64"},
+    CASES["update_keys"][2][-1:],
+)
+for _order in ("i32", "i64"):
+    CASES[f"sort_order_int64_keys_{_order}_order"] = (
+        sort_order_kernel,
+        {**CASES["sort_order"][1], "keys_ptr": "*i64", "keys_out_ptr": "*i64", "order_ptr": f"*{_order}"},
+        [{**CASES["sort_order"][2][-1], "SENTINEL": 2**63 - 1}],
     )
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
     CASES[f"lookup_put_{_table}_to_{_out}"] = (

@@ -985,7 +985,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     transport, leaves weights and optimizer state as they were, and the step's verdict is
     taken once: an error recorded after ``step_verdict`` does not split the update."""
     from torchrec_pgas.kernels import row_step
-    from torchrec_pgas.sharding.fused_update import row_tables
+    from torchrec_pgas.sharding.fused_update import row_tables, sort_positions
 
     if seed < 2:
         monkeypatch.setattr(k.row_update, "TILE", 32)
@@ -1047,19 +1047,23 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         scale = torch.empty(n) if scaled else torch.empty(1)
         verdict = torch.empty(1, dtype=torch.int64)
         err = err.clone()
+        total_rows = int(tbe.total_hash_size)
         k.update_keys.update_keys(
-            offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), scaled, weighted
+            offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), total_rows, scaled, weighted
         )  # fmt: skip
         k.step_verdict.step_verdict(record, err, verdict, S)
         if err_after_verdict is not None:
             err.copy_(err_after_verdict)
-        sorted_keys, order = torch.sort(keys, stable=True)
+        order = sort_positions(keys, total_rows) if key_dtype == torch.int32 else torch.sort(keys, stable=True)[1]
         # In the sort's order as ``FusedUpdate.prepare`` puts them, poisoned past the ids:
         # the update must read nothing there.
+        sorted_keys = torch.empty_like(keys)
         sorted_src = torch.full_like(src, -(2**40))
         sorted_table = torch.full((n,), -(2**30), dtype=torch.int32)
         sorted_scale = torch.full_like(scale, float("nan"))
-        k.sort_order.sort_order(sorted_keys, order, src, scale, tables, sorted_src, sorted_scale, sorted_table, scaled)
+        k.sort_order.sort_order(
+            keys, order, total_rows, src, scale, tables, sorted_keys, sorted_src, sorted_scale, sorted_table, scaled
+        )  # fmt: skip
         src, scale = sorted_src, sorted_scale if scaled else scale
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
         table, state = w0.clone(), m0.clone() if m0.numel() else torch.empty(1)
@@ -1146,8 +1150,9 @@ def _as_on_gpu(tbe):
 def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkeypatch):
     """``update_keys`` against a Python reference, position by position: bags of 0 to 70
     ids over several programs (8 bags each, 16 ids at a time), two features sharing a
-    table, a padded capacity past the ids (the sentinel; with int64 keys, offsets that
-    start past 0 too), where nothing but the key is written."""
+    table, a padded capacity past the ids (the group's row count as their key; with int64
+    keys, a count past int32's and offsets that start past 0 too), where nothing but the
+    key is written."""
     monkeypatch.setattr(k.update_keys, "BLOCK_B", 8)
     monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
     g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
@@ -1164,12 +1169,13 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
     src = torch.full((n,), -7, dtype=torch.int64)
     scale = torch.full((n,), float("nan"))
     scaled = weighted or mean
+    rows = 200 if key_dtype == torch.int32 else 2**40
     k.update_keys.update_keys(
-        offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, B, pitch,
+        offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, B, pitch, rows,
         scaled, weighted,
     )  # fmt: skip
     no_id = torch.cat([torch.arange(first_id), torch.arange(total, n)])
-    assert bool((keys[no_id] == k.update_keys.sentinel(key_dtype)).all())
+    assert bool((keys[no_id] == rows).all())
     assert bool((src[no_id] == -7).all() and scale[no_id].isnan().all())
     for bag in range(F * B):
         f, row = divmod(bag, B)
@@ -1198,13 +1204,15 @@ def _row_places(tables, table_index, keys, out, TABLE_WORDS: tl.constexpr):
 @pytest.mark.parametrize("n", [1, 3, 5, 37, 64])
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
-    """``sort_order`` puts the per-position arrays in a stable sort's order, as torch's
-    indexing does, and writes each sorted position's table from its key (the last table
-    whose first row is at most the key, of ``1 + n % 5`` tables; with the key, it gives
-    the row's place, ``row_place``), over blocks (of 16
-    here) with a partial last one, up to the first sentinel key (positions past the ids,
-    about a third here, are left as they were); the scale is left alone unless
-    ``scaled``."""
+    """``sort_order`` puts the keys and the per-position arrays in a stable sort's order
+    (``sort_positions``' int32 one, or ``torch.sort``'s int64 one for int64 keys), as
+    torch's indexing does, and writes each sorted position's table from its key (the
+    last table whose first row is at most the key, of ``1 + n % 5`` tables; with the key,
+    it gives the row's place, ``row_place``), over blocks (of 16 here) with a partial
+    last one; positions past the ids (key ``rows``, about a third here, sorted last) get
+    the sentinel key and nothing else; the scale is left alone unless ``scaled``."""
+    from torchrec_pgas.sharding.fused_update import sort_positions
+
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
     g = torch.Generator().manual_seed(n)
     # Per table with rows: first row, weights offset, dim, state offset.
@@ -1212,30 +1220,38 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     first = torch.cumsum(rows, 0) - rows + (3 if key_dtype == torch.int64 else 0)
     dims = 4 * torch.randint(1, 5, (rows.numel(),), generator=g)
     tables = torch.stack([first, torch.randint(0, 2**30, rows.shape, generator=g), dims, 100 * first + 7], 1)
+    total = int(first[-1] + rows[-1])
     table = torch.randint(0, rows.numel(), (n,), generator=g)
     keys = (first[table] + (torch.rand(n, generator=g) * rows[table]).long()).to(key_dtype)
-    keys[torch.rand(n, generator=g) < 0.3] = k.update_keys.sentinel(key_dtype)
-    keys, order = torch.sort(keys, stable=True)
-    ids = int((keys != k.update_keys.sentinel(key_dtype)).sum())
+    keys[torch.rand(n, generator=g) < 0.3] = total
+    if key_dtype == torch.int32:
+        order = sort_positions(keys, total)
+        assert order.dtype == torch.int32 and torch.equal(order.long(), torch.sort(keys, stable=True)[1])
+    else:
+        order = torch.sort(keys, stable=True)[1]
+    ids = int((keys != total).sum())
     src = torch.randint(-(2**40), 2**40, (n,), generator=g)
     scale = torch.rand(n, generator=g)
-    src_out, table_out = torch.full_like(src, -1), torch.full((n,), -1, dtype=torch.int32)
-    scale_out = torch.full((n,), float("nan"))
-    k.sort_order.sort_order(keys, order, src, scale, tables, src_out, scale_out, table_out, scaled)
-    assert torch.equal(src_out[:ids], src[order][:ids])
+    keys_out, src_out = torch.full_like(keys, -1), torch.full_like(src, -1)
+    table_out, scale_out = torch.full((n,), -1, dtype=torch.int32), torch.full((n,), float("nan"))
+    k.sort_order.sort_order(keys, order, total, src, scale, tables, keys_out, src_out, scale_out, table_out, scaled)
+    expected = keys[order.long()]
+    assert torch.equal(keys_out[:ids], expected[:ids])
+    assert bool((keys_out[ids:] == k.update_keys.sentinel(key_dtype)).all())
+    assert torch.equal(src_out[:ids], src[order.long()][:ids])
     firsts = tables[:, 0].tolist()
     places = torch.full((max(ids, 1), 3), -1, dtype=torch.int64)
     if ids:
-        _row_places[(ids,)](tables, table_out, keys, places, TABLE_WORDS=k.sort_order.TABLE_WORDS)
+        _row_places[(ids,)](tables, table_out, keys_out, places, TABLE_WORDS=k.sort_order.TABLE_WORDS)
     for p in range(ids):
-        key = int(keys[p])
+        key = int(keys_out[p])
         assert int(table_out[p]) == max(t for t, first in enumerate(firsts) if first <= key), p
         # The row's place the update finds from the table and the key (``row_place``).
         base, w_at, dim, s_at = max((row for row in tables.tolist() if row[0] <= key), key=lambda row: row[0])
         assert places[p].tolist() == [w_at + (key - base) * dim, dim, s_at + key - base], p
     assert bool((src_out[ids:] == -1).all() and (table_out[ids:] == -1).all())
     if scaled:
-        assert torch.equal(scale_out[:ids], scale[order][:ids]) and bool(scale_out[ids:].isnan().all())
+        assert torch.equal(scale_out[:ids], scale[order.long()][:ids]) and bool(scale_out[ids:].isnan().all())
     else:
         assert bool(scale_out.isnan().all())
 

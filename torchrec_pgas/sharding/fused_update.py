@@ -54,7 +54,8 @@ class GroupUpdate:
     table's first row, gradient column and mean pooling (``features``, int64 [F, 3], see
     ``kernels/update_keys``), per table with rows its first row, weights offset, dim and
     optimizer state offset (``tables``, int64 [T, 4], by first row, see
-    ``kernels/sort_order``), the dtype of its rows' sort keys, its fused optimizer
+    ``kernels/sort_order``), its count of rows (its keys are below it) and their sort
+    keys' dtype, its fused optimizer
     (TorchRec's, whose ``param_groups`` hold the learning rate a schedule sets; None if
     the lookup has none), and the hyper-parameters the kernels read (``hyper``, float32
     [HYPER_WORDS], see ``kernels/row_step``) with the values last written there."""
@@ -64,6 +65,7 @@ class GroupUpdate:
     tables: torch.Tensor
     optim: int
     max_dim: int
+    rows: int
     keys: torch.dtype
     mean: bool
     optimizer: Optional[torch.optim.Optimizer]
@@ -130,6 +132,16 @@ def row_tables(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> List[List[int]]:
     return [tables[r] for r in sorted(tables)] or [[0, 0, 0, 0]]
 
 
+def sort_positions(keys: torch.Tensor, rows: int) -> torch.Tensor:
+    """The stable sort's permutation of ``keys`` (int32), whose values are at most
+    ``rows``: FBGEMM's radix sort of row indices, which passes over only the bits
+    ``rows`` needs and moves int32 positions (``torch.sort`` passes over every bit of
+    the dtype and moves int64 positions)."""
+    if keys.numel() >= torch.iinfo(torch.int32).max:
+        raise ValueError(f"a lookup group's index tensor holds {keys.numel()} ids: the sort takes fewer than 2**31 - 1")
+    return torch.ops.fbgemm.get_unique_indices_with_inverse(keys, rows, False, True)[3]
+
+
 @dataclass
 class SortedIds:
     """One lookup group's ids of a step as its update reads them (``prepare``): the
@@ -178,6 +190,7 @@ class FusedUpdate:
                     tables=torch.tensor(row_tables(t), dtype=torch.int64, device=self._dev),
                     optim=_OPTIMS[t.optimizer],
                     max_dim=max(width),
+                    rows=int(t.total_hash_size),
                     keys=key_dtype(int(t.total_hash_size)),
                     mean=bool(mean),
                     optimizer=getattr(m, "fused_optimizer", None),
@@ -227,17 +240,30 @@ class FusedUpdate:
                 scale,
                 bags_per_feature,
                 pitch,
+                group.rows,
                 scaled,
                 self._weighted,
             )
-            keys, order = torch.sort(keys, stable=True)
+            order = sort_positions(keys, group.rows)
             ids = SortedIds(
-                keys,
+                torch.empty_like(keys),
                 torch.empty_like(src),
                 torch.empty_like(scale) if scaled else scale,
                 torch.empty(n, dtype=torch.int32, device=dev),
             )
-            sort_order(keys, order, src, scale, group.tables, ids.src, ids.scale, ids.table_index, scaled)
+            sort_order(
+                keys,
+                order,
+                group.rows,
+                src,
+                scale,
+                group.tables,
+                ids.keys,
+                ids.src,
+                ids.scale,
+                ids.table_index,
+                scaled,
+            )
             prepared.append(ids)
         return prepared
 
