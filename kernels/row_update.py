@@ -19,7 +19,8 @@ position of each row in the block, it:
   block (most rows);
 * else stores the block's sum in ``partial``: at ``2 * b`` if the row's run began in an
   earlier block, else at ``2 * b + 1``; ``run_update`` adds them up for the row's first
-  block and steps the row, so that a hot row's occurrences are summed by many programs.
+  block (with ``run_groups``' sums of the groups of blocks the run covers) and steps the
+  row, so that a hot row's occurrences are summed by many programs.
 
 Nothing is updated for a bad step: ``verdict`` (``step_verdict``) says so once for every
 launch of the step, so that an error the transport records meanwhile cannot update part

@@ -1,4 +1,4 @@
-"""The fused sparse update of one lookup group, second launch: the optimizer step
+"""The fused sparse update of one lookup group, third launch: the optimizer step
 (``row_step``) of the rows whose sorted occurrences cross blocks of ``row_update``.
 
 Program ``p`` checks blocks ``p * BLOCKS ...`` at once and, for each block ``b`` of
