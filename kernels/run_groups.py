@@ -34,7 +34,8 @@ from torchrec_pgas.kernels.row_update import block_positions, dim_block
 from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
-#: Blocks of ``row_update`` per group (a run shorter than two groups covers none).
+#: Blocks of ``row_update`` per group (a run covers one where it goes through all of
+#: them from an earlier block).
 GROUP = 64
 #: Elements of the partial sums added at once (``CHUNK`` rows of them).
 TILE = 512
