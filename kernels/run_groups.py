@@ -30,20 +30,22 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.row_update import block_positions, dim_block
+from torchrec_pgas.kernels.row_update import block_positions, dim_block, partial_shape
 from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
 #: Blocks of ``row_update`` per group (a run covers one where it goes through all of
 #: them from an earlier block).
 GROUP = 64
-#: Elements of the partial sums added at once (``CHUNK`` rows of them).
+#: Elements of the partial sums added at once (``CHUNK`` rows of them), here and in
+#: ``run_update``.
 TILE = 512
 
 
 def sums_shape(n: int, max_dim: int) -> tuple:
     """``sums``' shape for ``n`` sorted positions: a row per group, of ``partial``'s pitch."""
-    return cdiv(cdiv(n, block_positions(max_dim)), GROUP), cdiv(max_dim, 16) * 16
+    partial_rows, pitch = partial_shape(n, max_dim)
+    return cdiv(partial_rows // 2, GROUP), pitch
 
 
 def chunk_rows(max_dim: int) -> int:
@@ -116,7 +118,8 @@ def run_groups(keys: torch.Tensor, partial: torch.Tensor, sums: torch.Tensor, ma
         return
     if sums.stride(0) != partial.stride(0):
         raise ValueError(f"sums' rows ({sums.stride(0)}) must be partial's ({partial.stride(0)})")
-    blocks = cdiv(n, block_positions(max_dim))
+    block = block_positions(max_dim)
+    blocks = cdiv(n, block)
     _launcher[(cdiv(blocks, GROUP),)](
         keys,
         partial,
@@ -124,7 +127,7 @@ def run_groups(keys: torch.Tensor, partial: torch.Tensor, sums: torch.Tensor, ma
         n,
         blocks,
         SENTINEL=sentinel(keys.dtype),
-        BLOCK=block_positions(max_dim),
+        BLOCK=block,
         GROUP=GROUP,
         CHUNK=chunk_rows(max_dim),
         BLOCK_D=dim_block(max_dim),

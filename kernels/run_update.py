@@ -45,8 +45,6 @@ from torchrec_pgas.kernels.sort_order import TABLE_WORDS, row_place
 from torchrec_pgas.kernels.update_keys import sentinel
 
 NUM_WARPS = 1
-#: Elements of the blocks' partial sums added at once (``CHUNK`` rows of them).
-TILE = 512
 #: Blocks of ``row_update`` a program checks at once (a power of 2).
 BLOCKS = 8
 
@@ -189,7 +187,7 @@ def run_update(
         BLOCK=block,
         BLOCKS=BLOCKS,
         GROUP=run_groups.GROUP,
-        CHUNK=max(1, TILE // block_d),
+        CHUNK=run_groups.chunk_rows(max_dim),
         BLOCK_D=block_d,
         PARTIAL_PITCH=partial.stride(0),
         num_warps=NUM_WARPS,

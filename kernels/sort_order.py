@@ -2,9 +2,9 @@
 each sorted position's row lies in, so that the update (``row_update``, ``run_update``)
 reads each sorted position's key, gradient row, scale and row with no permutation: one
 pass over the sort's order, where an indexing per array would read the order once per
-array. The sort gives only the order (``fused_update.sort_positions``: FBGEMM's radix sort over the
-bits of the group's row count, with int32 positions), so the keys are put in its order
-here too; positions past the batch's ids (their key is ``rows``: the sort put them last)
+array. The sort gives only the order (``fused_update.sort_positions``: FBGEMM's radix
+sort over the bits of the group's row count, with int32 positions), so the keys are put
+in its order here too; positions past the batch's ids (their key is ``rows``: the sort put them last)
 get the update's sentinel and nothing else: the update reads nothing more of them, and
 the index tensor's capacity is often twice the batch's ids.
 

@@ -990,12 +990,12 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     if seed < 2:
         monkeypatch.setattr(k.row_update, "TILE", 32)
         monkeypatch.setattr(k.row_update, "BLOCK", 2 * (seed + 1))
-        monkeypatch.setattr(k.run_update, "TILE", 32 if seed == 0 else 16)
         # A program checks one block, or four (runs owned by several of its blocks).
         monkeypatch.setattr(k.run_update, "BLOCKS", 1 if seed == 0 else 4)
         # Groups of two blocks (long runs cover some, and begin and end inside them or
         # on their edges), or of one (every block after a run's first is a group's).
         monkeypatch.setattr(k.run_groups, "GROUP", 2 if seed == 0 else 1)
+        # Both kernels add 2 (seed 0) or 1 (seed 1) partial sums at once.
         monkeypatch.setattr(k.run_groups, "TILE", 32 if seed == 0 else 16)
         # Keys of several programs' bags, each bag's ids a few at a time.
         monkeypatch.setattr(k.update_keys, "BLOCK_B", 4)

@@ -183,6 +183,7 @@ class FusedUpdate:
             mean = int(t.pooling_mode == PoolingMode.MEAN)
             width = [dims[f + 1] - dims[f] for f in range(len(dims) - 1)]
             features = [[first_rows[f], col + dims[f], mean] for f in range(len(width))]
+            rows = int(t.total_hash_size)
             groups.append(
                 GroupUpdate(
                     tbe=t,
@@ -190,8 +191,8 @@ class FusedUpdate:
                     tables=torch.tensor(row_tables(t), dtype=torch.int64, device=self._dev),
                     optim=_OPTIMS[t.optimizer],
                     max_dim=max(width),
-                    rows=int(t.total_hash_size),
-                    keys=key_dtype(int(t.total_hash_size)),
+                    rows=rows,
+                    keys=key_dtype(rows),
                     mean=bool(mean),
                     optimizer=getattr(m, "fused_optimizer", None),
                     hyper=torch.zeros(HYPER_WORDS, dtype=torch.float32, device=self._dev),
