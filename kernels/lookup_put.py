@@ -3,7 +3,9 @@ final place in the requester's output: the inference lookup, without an index te
 a lookup output or a separate put.
 
 Program ``(blk, s, f)`` pools bags ``blk * BLOCK_B ...`` of feature ``f`` for requester
-``s`` and stores them through ``s``'s peer mapping (NVLink) at the feature's columns.
+``s`` and stores them through ``s``'s peer mapping (NVLink) at the feature's columns;
+this rank's own rows (``s == me``) go straight into its output tensor ``own``, rows
+of the same pitch, which ``output_take`` then need not copy out of a slot.
 The pooling is FBGEMM's, operation for operation, so results are bit-identical to
 TorchRec's lookup: per bag, rows are added in id order into an fp32 accumulator
 starting at zero (``fma(row, weight, acc)`` with per-sample weights), and the sum is
@@ -45,7 +47,8 @@ Buffers:
                pooling else 0
     table:     any tensor of the tables' dtype (only its pointer type is used); rows
                start at multiples of 4 elements (``ROW_ALIGN`` bytes)
-    out_like:  any tensor of the output's dtype (only its pointer type is used)
+    own:       [batch, pitch] (the output's dtype)  this rank's output: requester
+               ``me``'s rows go there instead of its slot
     out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
                output slot (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a
                multiple of 4), through the peer mapping; with ``PUT_PATH``, int64
@@ -119,6 +122,7 @@ def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
         "pitch",
         "done_target",
         "timeout_ns",
+        "me",
     ]
 )
 def lookup_put_kernel(
@@ -128,7 +132,7 @@ def lookup_put_kernel(
     offsets_ptr,
     features_ptr,
     table_ptr,
-    out_like_ptr,
+    own_ptr,
     out_addrs_ptr,
     cnt_addrs_ptr,
     done_ptr,
@@ -141,6 +145,7 @@ def lookup_put_kernel(
     pitch: tl.int64,
     done_target: tl.int64,
     timeout_ns: tl.int64,
+    me: tl.int64,
     DEPTH: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -205,7 +210,7 @@ def lookup_put_kernel(
         if PUT_PATH:
             staged = out_addr == 0
             out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
-        out = tl.multiple_of(out_addr.to(out_like_ptr.dtype, bitcast=True), OUT_ALIGN)
+        out = tl.multiple_of(tl.where(s == me, own_ptr, out_addr.to(own_ptr.dtype, bitcast=True)), OUT_ALIGN)
         dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
         longest = tl.max(L)
         for d0 in range(0, dim, BLOCK_D):
@@ -221,7 +226,7 @@ def lookup_put_kernel(
             acc = acc * inv_L[:, None]
             tl.store(
                 out + dst_rows[:, None] + cols[None, :],
-                acc.to(out_like_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                acc.to(own_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
         if PUT_PATH:
@@ -229,7 +234,7 @@ def lookup_put_kernel(
                 # Every thread's stores are issued before the block puts them.
                 tl.debug_barrier()
                 pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
-                size = out_like_ptr.dtype.element_ty.primitive_bitwidth // 8
+                size = own_ptr.dtype.element_ty.primitive_bitwidth // 8
                 at = col.to(tl.int64) * size
                 dst = tl.load(out_addrs_ptr + 2 * S + s) + at
                 n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
@@ -265,7 +270,8 @@ def lookup_put(
     offsets: torch.Tensor,
     features: torch.Tensor,
     table: torch.Tensor,
-    out_like: torch.Tensor,
+    own: torch.Tensor,
+    me: int,
     out_addrs: torch.Tensor,
     cnt_addrs: torch.Tensor,
     done: torch.Tensor,
@@ -282,10 +288,14 @@ def lookup_put(
     docstring) for the ids step in ``ids_step[0]`` (the step's record's word, which
     ``bag_offsets`` wrote) and the output step after ``clock_out[0]``. With ``put_path``,
     ``out_addrs`` is the ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer
-    mapping are served through NVSHMEM (which must be initialized)."""
+    mapping are served through NVSHMEM (which must be initialized). ``own`` (this rank's
+    output, rank ``me``'s batch rows of ``pitch``) takes ``me``'s rows; it gives the
+    output's dtype."""
     depth, S, F = out_addrs.size(0), out_addrs.size(-1), features.size(0)
     if F == 0:
         return
+    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous():
+        raise ValueError(f"own: contiguous rows of {pitch} expected, got {list(own.shape)} strides {own.stride()}")
     put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)
@@ -296,7 +306,7 @@ def lookup_put(
         offsets,
         features,
         table,
-        out_like,
+        own,
         out_addrs,
         cnt_addrs,
         done,
@@ -309,10 +319,11 @@ def lookup_put(
         pitch,
         F * (COUNT_B // BLOCK_B),
         timeout_ns,
+        me,
         DEPTH=depth,
         HAS_WEIGHTS=has_weights,
         ROW_ALIGN=4 * table.element_size(),
-        OUT_ALIGN=4 * out_like.element_size(),
+        OUT_ALIGN=4 * own.element_size(),
         COUNT_B=COUNT_B,
         BLOCK_B=BLOCK_B,
         BLOCK_D=BLOCK_D,

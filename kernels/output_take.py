@@ -1,5 +1,5 @@
 """Takes a requester's output of one step out of its output slot: waits for every
-owner's rows, copies them into the output (adding the owners' partial sums in rank
+owner's rows, copies the other owners' into the output (adding the owners' partial sums in rank
 order, for row-wise), then hands the slot back to the owners, and the ids slots back
 to their sources when the lookup pooled straight from them. One launch, since a step's
 time is mostly the host's and each launch costs the host more than the device.
@@ -11,10 +11,13 @@ until every owner's counter for this rank has reached the clock's ``EXPECTED`` p
 out wait: the programs would otherwise time out wave after wave), then writes rows
 ``blk * BLOCK_B ...`` and columns ``c * BLOCK_D ...`` of ``out``: ``slot[0] + slot[1] +
 ...`` over the ``BLOCKS`` blocks, added in that order in fp32 and rounded to the output
-dtype after each addition, as torch adds tensors. If the step is bad (a source's header
-in ``record`` is not ``OK``, or the error record holds an error), the rows are NaN
-instead: the host raises for the step later (``ring``), and its output must not pass
-for a result meanwhile.
+dtype after each addition, as torch adds tensors. This rank's own rows are in ``out``
+already (``lookup_put`` and ``rows_put`` store them there): block ``own_block``'s
+columns ``4 * own_begin4 ... 4 * own_end4`` are read from ``out`` instead of the slot, and with
+one block are not written again (at world size 1 nothing is copied). If the step is
+bad (a source's header in ``record`` is not ``OK``, or the error record holds an
+error), the rows are NaN instead: the host raises for the step later (``ring``), and
+its output must not pass for a result meanwhile.
 
 The programs tick ``done`` (acquire-release at GPU scope); the last one resets it,
 copies the error record to ``record[at:]``, releases the slots (it stores the step into
@@ -33,7 +36,7 @@ existed.
 Buffers:
     slots:     [DEPTH, BLOCKS, rows, pitch]  the output slots, per generation one block
                per owner that stores into it (table-wise: one block)
-    out:       [batch, pitch]  out
+    out:       [batch, pitch]  in/out: this rank's own rows in (see above), the output out
     counts:    int64 [world]  this rank's output counters, one word per owner
     owners:    int32 [P]  the owners to wait for
     out_free:  int64 [P]  address of each owner's output free word for this rank
@@ -50,6 +53,8 @@ Buffers:
     ring:      int64 [RING, at + 6], host memory (pinned: an address the device
                reaches), given as an address: per entry a record, then its step
 """
+
+from typing import Tuple
 
 import torch
 import triton
@@ -95,6 +100,15 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
             tl.atomic_xchg(word, value, sem="release", scope="sys")
 
 
+@triton.jit
+def _block(block_ptr, out_ptr, at_rc, mask, in_out):
+    """A block's tile: from ``out`` where ``in_out`` (this rank's own rows, stored there
+    in place), else from the slot's block at ``block_ptr``."""
+    mine = tl.load(out_ptr + at_rc, mask=mask & in_out)
+    theirs = tl.load(block_ptr + at_rc, mask=mask & ~in_out)
+    return tl.where(in_out, mine, theirs)
+
+
 @nv.has_put_path
 @triton.jit(
     do_not_specialize=[
@@ -106,6 +120,9 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
         "timeout_ns",
         "at",
         "ring_addr",
+        "own_block",
+        "own_begin4",
+        "own_end4",
     ]
 )
 def output_take_kernel(
@@ -128,6 +145,9 @@ def output_take_kernel(
     timeout_ns: tl.int64,
     at: tl.int64,
     ring_addr: tl.int64,
+    own_block: tl.int64,
+    own_begin4: tl.int64,
+    own_end4: tl.int64,
     DEPTH: tl.constexpr,
     BLOCKS: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -154,15 +174,20 @@ def output_take_kernel(
     cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (r < batch)[:, None] & (cols < pitch)[None, :]
     at_rc = r.to(tl.int64)[:, None] * pitch + cols[None, :]
-    acc = tl.load(slot_ptr + at_rc, mask=mask)
+    # Given in 4-element units (FBGEMM's dims are multiples of 4): the masks then keep
+    # 4-element accesses.
+    own_cols = ((cols >= own_begin4 * 4) & (cols < own_end4 * 4))[None, :]
+    acc = _block(slot_ptr, out_ptr, at_rc, mask, own_cols & (own_block == 0))
     for k in tl.static_range(1, BLOCKS):
-        part = tl.load(slot_ptr + k * rows * pitch + at_rc, mask=mask)
+        part = _block(slot_ptr + k * rows * pitch, out_ptr, at_rc, mask, own_cols & (own_block == k))
         acc = (acc.to(tl.float32) + part.to(tl.float32)).to(acc.dtype)
     bad = tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") != 0
     for q in range(num_sources):
         bad |= tl.load(record_ptr + q * _HEADER_WORDS) != _OK
     acc = tl.where(bad, float("nan"), acc.to(tl.float32)).to(acc.dtype)
-    tl.store(out_ptr + at_rc, acc, mask=mask)
+    # With one block, this rank's own columns hold the output already.
+    unchanged = own_cols & (BLOCKS == 1)
+    tl.store(out_ptr + at_rc, acc, mask=mask & (bad | ~unchanged))
     # Every thread's reads of the slot are done before the tick.
     tl.debug_barrier()
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -200,15 +225,20 @@ def output_take(
     release_ids: bool,
     ring: torch.Tensor,
     timeout_ns: int,
+    own: Tuple[int, int, int],
     *,
     put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch, BLOCK_B), cdiv(pitch, BLOCK_D))`` programs, at least one,
     for ``out``'s ``batch`` rows, once every owner has stored ``expect`` more programs
-    (see the module docstring). With ``put_path``, ``out_free`` and ``ids_free`` are
-    ``[PUT_ROWS, n]`` tables and free words without a peer mapping are set through
-    NVSHMEM (which must be initialized)."""
+    (see the module docstring). ``own``: this rank's rows in ``out``, as its block and
+    first and last-plus-one columns, multiples of 4 (an empty range if it owns no table). With
+    ``put_path``, ``out_free`` and ``ids_free`` are ``[PUT_ROWS, n]`` tables and free
+    words without a peer mapping are set through NVSHMEM (which must be initialized)."""
     depth, blocks, rows, pitch = slots.shape
+    own_block, own_begin, own_end = own
+    if own_begin % 4 or own_end % 4:
+        raise ValueError(f"own: columns {own_begin}...{own_end} are not multiples of 4")
     if ring.dim() != 2 or ring.size(1) != at + RECORD_WORDS + 1 or ring.dtype != torch.int64:
         raise ValueError(f"ring: int64 [n, {at + RECORD_WORDS + 1}] expected, got {ring.dtype} {list(ring.shape)}")
     batch = out.size(0)
@@ -238,6 +268,9 @@ def output_take(
         timeout_ns,
         at,
         ring.data_ptr(),
+        own_block,
+        own_begin // 4,
+        own_end // 4,
         DEPTH=depth,
         BLOCKS=blocks,
         BLOCK_B=BLOCK_B,

@@ -3,8 +3,10 @@
 The owner's lookup produced ``src`` with one block of ``batch_capacity`` rows per
 requester (rows past the requester's batch size are padding). Program ``(s, blk)``
 stores rows ``blk * BLOCK_B ...`` of requester ``s`` straight into ``s``'s output
-through its peer mapping (NVLink), at the column block of this owner's tables, then
-adds one to ``s``'s counter for this owner with release semantics at system scope. A
+through its peer mapping (NVLink), at the column block of this owner's tables (this
+rank's own rows, ``s == me``, straight into its output tensor ``own`` instead, which
+``output_take`` then need not copy out of a slot), then adds one to ``s``'s counter
+for this owner with release semantics at system scope. A
 requester knows how many programs serve it (``cdiv(its batch, BLOCK_B)``), so it waits
 for its counter to reach the running total.
 
@@ -22,6 +24,8 @@ Buffers:
                of 4)
     batch:     int64 [S]  batch size of each requester (from its ids header), every
                           ``batch_stride`` words
+    own:       [batch, pitch] (``src``'s dtype)  this rank's output: requester ``me``'s
+                          rows go there instead of its slot
     out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
                           output slot (``ALIGN`` bytes aligned), rows of ``pitch``
                           elements, the owner's block from column ``col`` (both
@@ -61,11 +65,13 @@ _PUT_ROWS = tl.constexpr(PUT_ROWS)
 # dim, pitch and col are specialized: Triton then knows when they are multiples of 16
 # and moves 4 elements at once.
 @nv.has_put_path
-@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "timeout_ns"])
+@triton.jit(do_not_specialize=["batch_stride", "batch_capacity", "timeout_ns", "me"])
 def rows_put_kernel(
     src_ptr,
     batch_ptr,
     batch_stride: tl.int64,
+    own_ptr,
+    me: tl.int64,
     out_addrs_ptr,
     cnt_addrs_ptr,
     free_ptr,
@@ -101,7 +107,7 @@ def rows_put_kernel(
                 S = tl.num_programs(0)
                 staged = out_addr == 0
                 out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
-            out = tl.multiple_of(out_addr.to(src_ptr.dtype, bitcast=True), ALIGN)
+            out = tl.multiple_of(tl.where(s == me, own_ptr, out_addr.to(src_ptr.dtype, bitcast=True)), ALIGN)
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
             src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
@@ -137,6 +143,8 @@ _launcher = Launcher(rows_put_kernel)
 def rows_put(
     src: torch.Tensor,
     batch: torch.Tensor,
+    own: torch.Tensor,
+    me: int,
     out_addrs: torch.Tensor,
     cnt_addrs: torch.Tensor,
     free: torch.Tensor,
@@ -152,14 +160,22 @@ def rows_put(
     """Launches ``(S, cdiv(batch_capacity, BLOCK_B))`` programs (see module docstring)
     for the output step after ``clock_out[0]``. With ``put_path``, ``out_addrs`` is the
     ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer mapping are served
-    through NVSHMEM (which must be initialized)."""
+    through NVSHMEM (which must be initialized). ``own`` (this rank's output, rank
+    ``me``'s batch rows of ``pitch``, ``src``'s dtype) takes ``me``'s rows."""
     depth, S, dim = out_addrs.size(0), batch.numel(), src.size(1)
+    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous() or own.dtype != src.dtype:
+        raise ValueError(
+            f"own: contiguous {src.dtype} rows of {pitch} expected, got {own.dtype} {list(own.shape)} "
+            f"strides {own.stride()}"
+        )
     grid = (S, cdiv(batch_capacity, BLOCK_B))
     put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     _launcher[grid](
         src,
         batch,
         batch.stride(0),
+        own,
+        me,
         out_addrs,
         cnt_addrs,
         free,

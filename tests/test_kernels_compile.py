@@ -64,7 +64,7 @@ CASES = {
             "err_ptr": "*i64",
             "step_ptr": "*i64",
             "done_ptr": "*i64",
-            "me": "i32",
+            "me": "i64",
             "num_rows": "i64",
             "self_row": "i64",
             "step_add": "i64",
@@ -103,6 +103,8 @@ CASES = {
             "src_ptr": "*fp32",
             "batch_ptr": "*i64",
             "batch_stride": "i32",
+            "own_ptr": "*fp32",
+            "me": "i64",
             "out_addrs_ptr": "*i64",
             "cnt_addrs_ptr": "*i64",
             "free_ptr": "*i64",
@@ -176,6 +178,9 @@ CASES = {
             "timeout_ns": "i64",
             "at": "i64",
             "ring_addr": "i64",
+            "own_block": "i64",
+            "own_begin4": "i64",
+            "own_end4": "i64",
             "DEPTH": "constexpr",
             "BLOCKS": "constexpr",
             "BLOCK_B": "constexpr",
@@ -503,7 +508,7 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
             "offsets_ptr": "*i64",
             "features_ptr": "*i64",
             "table_ptr": f"*{_table}",
-            "out_like_ptr": f"*{_out}",
+            "own_ptr": f"*{_out}",
             "out_addrs_ptr": "*i64",
             "cnt_addrs_ptr": "*i64",
             "done_ptr": "*i64",
@@ -516,6 +521,7 @@ for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
             "pitch": "i32",
             "done_target": "i64",
             "timeout_ns": "i64",
+            "me": "i64",
             "DEPTH": "constexpr",
             "HAS_WEIGHTS": "constexpr",
             "ROW_ALIGN": "constexpr",
@@ -747,7 +753,7 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
     f32 = torch.zeros(8, 4)
     with pytest.raises(ValueError, match=r"(out_addrs|dests|ids_free|out_free): the put path takes a contiguous int64"):
         if launch == "rows_put":
-            rows_put.rows_put(f32, i64, i64.view(1, 4), i64, i64, i64, i64[:1], 2, 4, 0, 1, put_path=True)
+            rows_put.rows_put(f32, i64, f32, 0, i64.view(1, 4), i64, i64, i64, i64[:1], 2, 4, 0, 1, put_path=True)
         elif launch == "lookup_put":
             layout = IdsSlotLayout.__new__(IdsSlotLayout)
             lookup_put.lookup_put(
@@ -758,6 +764,7 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
                 torch.zeros(1, 4, dtype=torch.int64),
                 f32,
                 f32,
+                0,
                 i64.view(1, 4),
                 i64,
                 i64,
@@ -791,5 +798,6 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
                 False,
                 torch.zeros(2, output_take.RECORD_WORDS + 1, dtype=torch.int64),
                 1,
+                (0, 0, 0),
                 put_path=True,
             )

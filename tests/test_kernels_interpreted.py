@@ -663,6 +663,9 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     headers = torch.zeros(S, HEADER_WORDS, dtype=torch.int64)
     headers[:, 1] = torch.tensor(batches)
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, dtype, rnd)
+    # This rank's own rows go to its output instead of its slot (or no requester is).
+    mine = rnd.randrange(-1, S)
+    own = torch.full((batches[mine] if mine >= 0 else 0, pitch), -1.0, dtype=dtype)
     # Two generations of output slots: the step's (the clock's OUT word plus one), and
     # decoys that must stay untouched; every requester has released the step before.
     last = rnd.randint(0, 5)
@@ -672,14 +675,19 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
         by_generation = by_generation.flip(0).contiguous()
     free, err = torch.full((S,), max(last - 1, 0), dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     clock_out = torch.tensor([last], dtype=torch.int64)
-    k.rows_put.rows_put(src, headers[:, 1], by_generation, cnt_addrs, free, err, clock_out, cap, pitch, col, 10**9)
+    k.rows_put.rows_put(
+        src, headers[:, 1], own, mine, by_generation, cnt_addrs, free, err, clock_out, cap, pitch, col, 10**9
+    )
     assert all((d == -1.0).all() for d in decoys), "only the step's generation is written"
     assert int(clock_out) == last and not err.any()
     for s, b in enumerate(batches):
-        assert torch.equal(outs[s][:b, col : col + dim], src[s * cap : s * cap + b]), s
+        dest = own if s == mine else outs[s]
+        assert torch.equal(dest[:b, col : col + dim], src[s * cap : s * cap + b]), s
         _assert_only_block_written(
-            outs[s], b, slice(col, col + dim), counters[s], me, k.rows_put.programs_per_requester(b)
+            dest, b, slice(col, col + dim), counters[s], me, k.rows_put.programs_per_requester(b)
         )
+        if s == mine:
+            assert (outs[s] == -1.0).all(), "this rank's own slot is not written"
 
 
 @_interpreted
@@ -745,7 +753,7 @@ def _words(n: int):
 
 
 @_interpreted
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fault", ["none", "bad_header", "timed_out"])
 def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dtype, fault):
@@ -757,10 +765,10 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
     NaN outputs."""
     rnd = random.Random(seed)
     # (bf16 sums stay out: the interpreter truncates fp32 to bf16, GPUs round.)
-    blocks = 1 if dtype == torch.bfloat16 else [1, 2, 3, 2][seed]
+    blocks = 1 if dtype == torch.bfloat16 else [1, 2, 3, 2, 1, 2][seed]
     pitch = 4 * rnd.randint(1, 70)  # past BLOCK_D too
     rows = rnd.choice([1, 40, 70])
-    batch = rnd.choice([0, 1, rows // 2, rows])
+    batch = 0 if seed == 4 else rnd.choice([1, max(rows // 2, 1), rows])
     slots = torch.randn(2, blocks, rows, pitch, generator=torch.Generator().manual_seed(seed)).to(dtype)
     world = 4
     owners = torch.tensor(sorted(rnd.sample(range(world), rnd.randint(1, world))), dtype=torch.int32)
@@ -780,9 +788,20 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
     clock[OUT], clock[EXPECTED] = last, 6
     ring = torch.zeros(4, at + 6, dtype=torch.int64)
     done = torch.zeros(1, dtype=torch.int64)
+    # This rank's own rows, in ``out`` already: a block's columns (table-wise: some of
+    # the one block's; row-wise: a whole block), or none (it owns no table).
+    own_block = rnd.randrange(blocks)
+    begin = 4 * rnd.randint(0, pitch // 4 - 1)
+    end = rnd.choice([pitch, min(pitch, begin + 4 * rnd.randint(1, 40))])
+    if blocks > 1:
+        begin, end = 0, pitch
+    if seed == 5:
+        begin = end  # it owns no table
+    mine = torch.randn(batch, pitch, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     for i in range(2):
         step = last + 1 + i
         out = torch.full((batch, pitch), -1.0, dtype=dtype)
+        out[:, begin:end] = mine[:, begin:end]
         k.output_take.output_take(
             slots,
             out,
@@ -799,11 +818,14 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
             release_ids,
             ring,
             10**9,
+            (own_block, begin, end),
         )
         assert int(done) == 0, "the last program leaves done at zero for the next launch"
-        expected = slots[step % 2, 0, :batch].clone()
+        parts = slots[step % 2, :, :batch].clone()
+        parts[own_block, :, begin:end] = mine[:, begin:end]
+        expected = parts[0]
         for b in range(1, blocks):
-            expected = expected + slots[step % 2, b, :batch]
+            expected = expected + parts[b]
         if fault == "none":
             assert torch.equal(out, expected)
         else:
@@ -857,6 +879,9 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
         torch.zeros(1, dtype=torch.int64),
     )
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, out_dtype, rnd)
+    # This rank's own rows go to its output instead of its slot (or no requester is).
+    mine = rnd.randrange(-1, S)
+    own = torch.full((batches[mine] if mine >= 0 else 0, pitch), -1.0, dtype=out_dtype)
     decoys = [torch.full_like(o, -1.0) for o in outs]
     by_generation = torch.stack([torch.tensor([d.data_ptr() for d in decoys]), out_addrs])
     done = k.lookup_put.done_counters(S, layout, slots.device)
@@ -868,7 +893,8 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
             offsets,
             features,
             tables[0],
-            outs[0],
+            own,
+            mine,
             by_generation,
             cnt_addrs,
             done,
@@ -884,7 +910,10 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]
         block = slice(first_col, first_col + sum(dims))
-        _assert_only_block_written(outs[s], b, block, counters[s], me, 2 * k.rows_put.programs_per_requester(b))
+        dest = own if s == mine else outs[s]
+        _assert_only_block_written(dest, b, block, counters[s], me, 2 * k.rows_put.programs_per_requester(b))
+        if s == mine:
+            assert (outs[s] == -1.0).all(), "this rank's own slot is not written"
         for f in range(F):
             start = int(lengths[:f].sum())
             for i in range(b):
@@ -895,7 +924,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
                     acc = acc + row * weights[j] if weighted else acc + row
                 if means[f] and n:
                     acc = acc * (1.0 / torch.tensor(float(n)))
-                got = outs[s][i, cols[f] : cols[f] + dims[f]]
+                got = dest[i, cols[f] : cols[f] + dims[f]]
                 if weighted:
                     torch.testing.assert_close(got.float(), acc.to(out_dtype).float(), rtol=1e-2, atol=1e-3)
                 else:

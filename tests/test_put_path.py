@@ -226,7 +226,7 @@ def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
     record = torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64)
     route = DeviceRoute(record=record, my_batch=batch, out_rows=batch, step=1)
     exchange._my_batches.append((batch, batch))
-    exchange.exchange_pooled(torch.zeros(world_size * rows, dims[me]), route)
+    pooled = exchange.exchange_pooled(torch.zeros(world_size * rows, dims[me]), route)
     grad = torch.ones(batch, sum(dims))
     exchange.exchange_grads(grad, route, torch.Size([world_size * rows, dims[me]]), divide=True)
     for name in ("rows_put", "output_take", "grads_put"):
@@ -236,10 +236,14 @@ def _tables_and_launches(rank, world_size, remote_path, unmapped_by_rank):
         args, kwargs = launched[name]
         assert kwargs == {"put_path": put}, (name, kwargs)
     if dims[me]:
-        # Every generation's table: the kernel picks the step's on the device.
-        assert launched["rows_put"][0][2] is exchange._out_addrs
+        # This rank's own rows straight into its output; every generation's table for
+        # the others (the kernel picks the step's on the device).
+        assert launched["rows_put"][0][2] is pooled and launched["rows_put"][0][3] == me
+        assert launched["rows_put"][0][4] is exchange._out_addrs
         assert torch.equal(exchange._out_addrs, torch.stack(p.out_addrs))
-    assert launched["output_take"][0][4] is p.out_free_words and launched["output_take"][0][5] is p.ids_free_words
+    take = launched["output_take"][0]
+    assert take[1] is pooled and take[15] == (0, sum(dims[:me]), sum(dims[: me + 1])), "its own columns in place"
+    assert take[4] is p.out_free_words and take[5] is p.ids_free_words
     assert launched["grads_put"][0][1] is p.grad_dests
     exchange.close()
     t.close()
@@ -371,17 +375,25 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
     batch = LookupBatch(groups=[], route=route, bags_per_feature=world_size * cap)
     batch.from_slots = SlotsLookup(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 3, 7)
     out = exchange.lookup_put(batch, [types.SimpleNamespace(emb_module=types.SimpleNamespace(weights_dev=None))])
-    assert out.shape == (world_size * cap, dims[rank]) and out.requires_grad
+    # At world size 1 the lookup output is the output's rows, whose gradient the update
+    # reads as it is; else the slots' rows of every source.
+    rows = 5 if world_size == 1 else world_size * cap
+    assert route.grads_in_place is (world_size == 1) and route.out.shape == (5, sum(dims))
+    assert out.shape == (rows, dims[rank]) and out.requires_grad
     assert calls == ["lookup_put", ("prepare", ["group"], ids, world_size * cap, dims[rank])], calls
     out.backward(torch.ones(out.shape))
-    assert calls[2:] == [("apply", ["group"], ["sorted"], (world_size * cap, dims[rank]), dims[rank], world_size)], (
-        calls
-    )
+    assert calls[2:] == [("apply", ["group"], ["sorted"], (rows, dims[rank]), dims[rank], world_size)], calls
+    if world_size == 1:
+        tw_device_exchange.grads_put = lambda *args, **kwargs: calls.append("grads_put")
+        grad_out = torch.randn(5, dims[0])
+        grad = exchange.exchange_grads(grad_out, route, out.shape, divide=True)
+        assert grad is grad_out and calls[-1] != "grads_put", "no copy, no put"
     exchange.close()
 
 
-def test_training_lookup_keys_ids_for_the_backward():
-    run_ranks(_training_lookup_keys_ids_for_backward, 3)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_training_lookup_keys_ids_for_the_backward(world_size):
+    run_ranks(_training_lookup_keys_ids_for_backward, world_size)
 
 
 def _bad_batch_rows(rank, world_size):

@@ -42,6 +42,14 @@ class DeviceRoute:
     # grad mode, since autograd runs the output exchange without it); else later, from
     # the step records (``step_records.py``).
     check_now: bool = False
+    # This rank's output, where the lookup stored its own rows (``lookup_put``), with
+    # the stream it was allocated on (a raw handle); else the output exchange makes it.
+    out: Optional[torch.Tensor] = None
+    out_stream: int = 0
+    # World size 1 with the fused update: the update reads the output's gradient as it
+    # is (the one gradient slot would hold a copy of it), and the lookup output is
+    # ``out_rows`` rows, not the slots' ``world * batch_capacity``.
+    grads_in_place: bool = False
 
 
 @dataclass

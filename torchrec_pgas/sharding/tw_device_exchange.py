@@ -23,20 +23,22 @@ kernels, so the host only enqueues a handful of launches per step:
   training it also keys and sorts the step's ids for the fused update of the backward
   (``fused_update.py``), which every rank takes or none does (``_agreed_updates``).
 * ``exchange_pooled``: ``rows_put`` stores each requester's rows straight into its
-  output slot (peer mapping) and counts them in (or ``lookup_put`` did); the
-  requester's ``output_take`` waits for its count, copies its output out of the slot
-  (NaN for a bad step), releases the slot (and the ids slots ``lookup_put`` pooled
-  from) and copies the step's record into the ring in pinned host memory
-  (``step_records.py``): nothing is read back, and what a step reports is raised
-  before a later step's first send (``raise_errors``). With FBGEMM's backward the step
-  is checked before its output is returned (one read-back).
+  output slot (peer mapping) and counts them in (or ``lookup_put`` did), the rank's
+  own rows straight into its output; the requester's ``output_take`` waits for its
+  count, copies the other owners' rows out of the slot (NaN for a bad step), releases
+  the slot (and the ids slots ``lookup_put`` pooled from) and copies the step's record
+  into the ring in pinned host memory (``step_records.py``): nothing is read back, and
+  what a step reports is raised before a later step's first send (``raise_errors``).
+  With FBGEMM's backward the step is checked before its output is returned (one
+  read-back).
 * ``exchange_grads``: ``grads_put`` stores each owner's columns of the output gradient
   (divided as TorchRec divides them) straight into the owner's per-source slot; the
   owner's slots of a step are the gradient, in lookup order, that the fused update (or
   FBGEMM's backward, whose fused optimizer then updates exactly as under
   ``table_wise``) reads without a copy. The slots have one generation (read in place,
   at one address, which a CUDA graph needs): the owner releases them at its next
-  backward, before that step's puts.
+  backward, before that step's puts. At world size 1 with the fused update the one
+  slot would hold a copy of the output's gradient: the update reads that instead.
 
 Peers without a peer mapping (other nodes; every peer with
 ``PgasOptions(remote_path="put")``) are served by the same launches compiled with
@@ -251,6 +253,9 @@ class DeviceTwExchange(DeviceTwSetup):
             buffers.release_held()
             return None
         self._out_step += 1
+        route = batch.route
+        route.out = self._new_output(route.out_rows)
+        route.out_stream = driver.active.get_current_stream(self._dev.index)
         lookup_put(
             buffers.ids,
             lookup.ids_step,
@@ -258,7 +263,8 @@ class DeviceTwExchange(DeviceTwSetup):
             lookup.offsets,
             tables,
             emb_modules[0].emb_module.weights_dev,
-            buffers.out_slots,
+            route.out,
+            self._me,
             self._out_addrs,
             self._peers.my_counts,
             self._done,
@@ -271,16 +277,17 @@ class DeviceTwExchange(DeviceTwSetup):
             put_path=self._peers.put_path,
         )
         # The slots stay held until the output's take releases them.
-        batch.route.ids_step = step
+        route.ids_step = step
         if updates is None:
             return self._no_rows
         ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
         pitch = self._all_rows.shape[1]
         prepared = self._update.prepare(updates, ids, batch.bags_per_feature, pitch)
-        update = PendingUpdate(
-            self._update, updates, prepared, pitch, batch.route.record, buffers.err, self._t.world_size
-        )
-        return update.output(self._all_rows)
+        update = PendingUpdate(self._update, updates, prepared, pitch, route.record, buffers.err, self._t.world_size)
+        # At world size 1 the owner's gradient is the output's: the update reads it where
+        # it is (``exchange_grads``), the output's rows then being the lookup's.
+        route.grads_in_place = self._t.world_size == 1 and pitch == self._output.dim
+        return update.output(self._all_rows[: route.out_rows] if route.grads_in_place else self._all_rows)
 
     def _agreed_updates(self, emb_modules: Sequence[Any]) -> Optional[List[GroupUpdate]]:
         """This rank's fused updates (``fused_update.py``; none for a rank without
@@ -305,6 +312,11 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None
         me, out = self._me, self._output
+        pooled = route.out
+        if pooled is None:
+            pooled = self._new_output(route.out_rows)
+        elif route.out_stream != driver.active.get_current_stream(self._dev.index):
+            pooled.record_stream(torch.cuda.current_stream(self._dev))  # made on the lookup's
         if not route.ids_step:  # else ``lookup_put`` put the rows (and counted the step)
             self._out_step += 1
             if self._dims[me] > 0:
@@ -312,6 +324,8 @@ class DeviceTwExchange(DeviceTwSetup):
                 rows_put(
                     embs.to(self._out_dtype).contiguous(),
                     route.record[1 : self._err_at : HEADER_WORDS],
+                    pooled,
+                    me,
                     self._out_addrs,
                     self._peers.my_counts,
                     buffers.out_free,
@@ -325,8 +339,8 @@ class DeviceTwExchange(DeviceTwSetup):
                 )
         release_ids = buffers.hand_over(route.ids_step)  # False if released since
         self._keep(self._errors.make_room(self._out_step))
-        # A copy: the slot is reused two steps on, the output may live longer.
-        pooled = torch.empty(route.out_rows, out.dim, dtype=self._out_dtype, device=self._dev)
+        # The other owners' rows are copied out of the slot: it is reused two steps on,
+        # the output may live longer.
         output_take(
             buffers.out_slots,
             pooled,
@@ -343,6 +357,7 @@ class DeviceTwExchange(DeviceTwSetup):
             release_ids,
             self._errors.ring,
             self._t.timeout_ns,
+            (out.my_block, out.col_offsets[me], out.col_offsets[me] + self._dims[me]),
             put_path=self._peers.put_path,
         )
         if route.check_now:
@@ -353,6 +368,10 @@ class DeviceTwExchange(DeviceTwSetup):
             # Raised between steps (``raise_errors``), not in the middle of one.
             self._keep(self._errors.finished(self._out_step, wait=False))
         return pooled
+
+    def _new_output(self, rows: int) -> torch.Tensor:
+        """This rank's output of a step, ``[rows, dim]``."""
+        return torch.empty(rows, self._output.dim, dtype=self._out_dtype, device=self._dev)
 
     # -------------------------------------------------------------- gradients
 
@@ -365,6 +384,10 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None
         self._grad_step += 1
+        if route.grads_in_place:
+            # One source, every column, scale 1: the slot would hold a copy of it (the
+            # clock's backward step and the slots' releases are then never used).
+            return grad_out.to(self._out_dtype).contiguous()
         cap = layout.batch_capacity
         owner = self._dims[self._me] > 0
         if owner:
