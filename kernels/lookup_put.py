@@ -173,7 +173,8 @@ def lookup_put_kernel(
     slot = slots_ptr + s.to(tl.int64) * slot_bytes
     batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
     ok = blk * BLOCK_B < batch
-    if ok & (free_target > 0):
+    # This rank's own rows go to its output, not to a slot it must wait for.
+    if ok & (free_target > 0) & (s != me):
         ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
     if ok:
         # Where feature f's ids start in the slot: after the earlier features' ids,

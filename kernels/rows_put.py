@@ -99,7 +99,7 @@ def rows_put_kernel(
     batch = tl.load(batch_ptr + s * batch_stride)
     if blk * BLOCK_B < batch:
         ok = True
-        if free_target > 0:
+        if (free_target > 0) & (s != me):  # this rank's own rows go to its output, not a slot
             ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
         if ok:
             out_addr = tl.load(out_addrs_ptr + s)

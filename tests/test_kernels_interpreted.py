@@ -674,6 +674,8 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     if (last + 1) % 2:
         by_generation = by_generation.flip(0).contiguous()
     free, err = torch.full((S,), max(last - 1, 0), dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    if mine >= 0:
+        free[mine] = -1  # its own slot was not released: its rows do not go there
     clock_out = torch.tensor([last], dtype=torch.int64)
     k.rows_put.rows_put(
         src, headers[:, 1], own, mine, by_generation, cnt_addrs, free, err, clock_out, cap, pitch, col, 10**9
