@@ -113,7 +113,9 @@ class RowBlockIds:
     def route(self, kjt: KeyedJaggedTensor, values, offsets, lengths, weights) -> Routed:
         """Bad ids land in some bucket (FBGEMM hashes ids past the blocks), but such a
         batch is sent as its header alone."""
-        if kjt.stride() == 0:  # nothing to bucket
+        # Nothing to bucket; or one owner, whose bucket is the batch as it is (every
+        # id in its block, local ids the ids, ids past a table too: ``id // 1``).
+        if kjt.stride() == 0 or self._world == 1:
             return values, offsets, lengths, weights
         return row_buckets(values, offsets, weights, self._block_sizes, self._world)
 
