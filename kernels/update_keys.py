@@ -10,7 +10,10 @@ The first ``cdiv(bags, BLOCK_B)`` programs take ``BLOCK_B`` bags each (a bag's f
 column and mean pooling are the same for all its ids) and walk their ids ``BLOCK_J`` at
 a time, so that no position searches for its bag (a bag of thousands of ids makes its
 program loop that many times over ``BLOCK_J``); the other ``cdiv(N, BLOCK_B * BLOCK_J)``
-programs put ``rows`` past the ids. Per position, they write:
+programs put ``rows`` past the ids. The tile, ``TILE`` positions, is shaped by the
+group's ids per bag (``tile_shape``): one-hot features fill it with many bags, long
+bags with few, so that a program's fixed chain of dependent loads (offsets, feature,
+ids) is paid for about a tile of positions either way. Per position, they write:
 
 * its key, the row in the group's rows (FBGEMM's ``hash_size_cumsum`` of the feature's
   table plus the id: distinct for distinct rows, equal for features sharing a table);
@@ -43,15 +46,19 @@ Buffers:
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
 """
 
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher, cdiv
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 
-#: Bags per program, and ids of each bag taken at once.
-BLOCK_B = 32
-BLOCK_J = 32
+#: Positions of a program's tile (bags times ids of each bag taken at once), and the
+#: fewest and most ids of each bag taken at once.
+TILE = 1024
+MIN_J = 4
+MAX_J = 32
 NUM_WARPS = 4
 #: ``features`` columns: the feature's table's first row in the group, its column in
 #: the gradient, mean pooling (0/1).
@@ -63,6 +70,14 @@ def sentinel(dtype: torch.dtype) -> int:
     """The sorted key of a position past the batch's ids, as the update reads it (sorts
     after every row; ``sort_order`` writes it)."""
     return torch.iinfo(dtype).max
+
+
+def tile_shape(ids: int, bags: int) -> Tuple[int, int]:
+    """``(BLOCK_B, BLOCK_J)`` for ``ids`` positions over ``bags`` bags: ids of a bag taken
+    at once as many as a bag holds on average (a power of two within ``MIN_J ...
+    MAX_J``), and bags enough to fill the tile."""
+    block_j = min(MAX_J, max(MIN_J, next_power_of_2(ids // max(bags, 1))))
+    return max(1, TILE // block_j), block_j
 
 
 def key_dtype(total_rows: int) -> torch.dtype:
@@ -147,7 +162,8 @@ def update_keys(
     n, bags = indices.numel(), offsets.numel() - 1
     if n == 0:
         return
-    _launcher[(cdiv(bags, BLOCK_B) + cdiv(n, BLOCK_B * BLOCK_J),)](
+    block_b, block_j = tile_shape(n, bags)
+    _launcher[(cdiv(bags, block_b) + cdiv(n, block_b * block_j),)](
         offsets,
         indices,
         weights,
@@ -163,7 +179,7 @@ def update_keys(
         FEATURE_WORDS=FEATURE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
-        BLOCK_B=BLOCK_B,
-        BLOCK_J=BLOCK_J,
+        BLOCK_B=block_b,
+        BLOCK_J=block_j,
         num_warps=NUM_WARPS,
     )

@@ -1029,8 +1029,9 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         # Both kernels add 2 (seed 0) or 1 (seed 1) partial sums at once.
         monkeypatch.setattr(k.run_groups, "TILE", 32 if seed == 0 else 16)
         # Keys of several programs' bags, each bag's ids a few at a time.
-        monkeypatch.setattr(k.update_keys, "BLOCK_B", 4)
-        monkeypatch.setattr(k.update_keys, "BLOCK_J", 2 * (seed + 1))
+        monkeypatch.setattr(k.update_keys, "TILE", 8 * (seed + 1))
+        monkeypatch.setattr(k.update_keys, "MIN_J", 2 * (seed + 1))
+        monkeypatch.setattr(k.update_keys, "MAX_J", 2 * (seed + 1))
     dims = [260, 8, 36] if wide else [8, 16, 4]
     # FBGEMM's CPU row-wise Adagrad refuses features that share a table.
     table_of = [0, 1, 0, 2] if optimizer == "EXACT_SGD" else [0, 1, 2]
@@ -1178,14 +1179,18 @@ def _as_on_gpu(tbe):
 @_interpreted
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted,mean", [(False, False), (True, False), (False, True)])
-def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkeypatch):
+@pytest.mark.parametrize("tile", [(8, 16), (32, 4)])
+def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, tile, monkeypatch):
     """``update_keys`` against a Python reference, position by position: bags of 0 to 70
-    ids over several programs (8 bags each, 16 ids at a time), two features sharing a
-    table, a padded capacity past the ids (the group's row count as their key; with int64
-    keys, a count past int32's and offsets that start past 0 too), where nothing but the
-    key is written."""
-    monkeypatch.setattr(k.update_keys, "BLOCK_B", 8)
-    monkeypatch.setattr(k.update_keys, "BLOCK_J", 16)
+    ids over several programs (8 bags each, 16 ids at a time; or 32 bags, 4 ids at a time,
+    as a tile shaped for one-hot features takes them), two features sharing a table, a
+    padded capacity past the ids (the group's row count as their key; with int64 keys, a
+    count past int32's and offsets that start past 0 too), where nothing but the key is
+    written."""
+    block_b, block_j = tile
+    monkeypatch.setattr(k.update_keys, "TILE", block_b * block_j)
+    monkeypatch.setattr(k.update_keys, "MIN_J", block_j)
+    monkeypatch.setattr(k.update_keys, "MAX_J", block_j)
     g = torch.Generator().manual_seed(7 + weighted + 2 * mean)
     F, B, pitch = 3, 11, 40
     # Per feature: first row, column, mean (features 0 and 2 share a table).
@@ -1218,6 +1223,17 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, monkey
             if scaled:
                 expected = float(weights[p]) if weighted else float(torch.tensor(1.0) / (hi - lo))
                 assert float(scale[p]) == expected, (bag, p)
+
+
+def test_update_keys_tile_follows_ids_per_bag(k):
+    """One-hot groups take many bags per program, long bags a tile's worth of ids at a
+    time; a group without bags, and one of a thousand ids per bag, stay in bounds."""
+    uk = k.update_keys
+    assert uk.tile_shape(3 * 65536, 65536) == (uk.TILE // uk.MIN_J, uk.MIN_J)
+    assert uk.tile_shape(6 * 1000, 1000) == (uk.TILE // 8, 8)
+    assert uk.tile_shape(100 * 1000, 1000) == (uk.TILE // uk.MAX_J, uk.MAX_J)
+    assert uk.tile_shape(0, 0) == (uk.TILE // uk.MIN_J, uk.MIN_J)
+    assert uk.tile_shape(100000, 1) == (uk.TILE // uk.MAX_J, uk.MAX_J)
 
 
 @triton.jit
