@@ -17,7 +17,8 @@ Clock words (int64), each the last step of its phase that the device has taken:
   enqueued before it, read ``OUT + 1``.
 * ``EXPECTED``: the output programs this rank expects from every owner so far,
   advanced by ``output_take`` by the step's count.
-* ``GRAD``: ticked by the backward's last wait (``signal_wait``).
+* ``GRAD``: ticked by the backward's last wait (``signal_wait``); not at world size 1
+  with the fused update, whose backward has no exchange.
 """
 
 from typing import Dict, NamedTuple

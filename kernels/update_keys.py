@@ -75,7 +75,9 @@ def sentinel(dtype: torch.dtype) -> int:
 def tile_shape(ids: int, bags: int) -> Tuple[int, int]:
     """``(BLOCK_B, BLOCK_J)`` for ``ids`` positions over ``bags`` bags: ids of a bag taken
     at once as many as a bag holds on average (a power of two within ``MIN_J ...
-    MAX_J``), and bags enough to fill the tile."""
+    MAX_J``), and bags enough to fill the tile. ``ids`` is the index tensor's capacity,
+    the owner's in each of its groups: with several groups, an estimate erring towards
+    long bags, which costs a one-hot group programs but never a long bag's loop."""
     block_j = min(MAX_J, max(MIN_J, next_power_of_2(ids // max(bags, 1))))
     return max(1, TILE // block_j), block_j
 

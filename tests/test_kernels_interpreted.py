@@ -887,11 +887,16 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     decoys = [torch.full_like(o, -1.0) for o in outs]
     by_generation = torch.stack([torch.tensor([d.data_ptr() for d in decoys]), out_addrs])
     done = k.lookup_put.done_counters(S, layout, slots.device)
+    # The output step 3 (generation 1 again) waits for step 1's release of each slot,
+    # but not of this rank's own, which it does not store into.
+    free, err = torch.ones(S, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    if mine >= 0:
+        free[mine] = 0
     for _ in range(2):
         k.lookup_put.lookup_put(
             mailbox.view(-1),
             record[S * HEADER_WORDS + 4 :],  # the ids step bag_offsets wrote
-            torch.zeros(1, dtype=torch.int64),
+            torch.tensor([2], dtype=torch.int64),
             offsets,
             features,
             tables[0],
@@ -900,14 +905,15 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
             by_generation,
             cnt_addrs,
             done,
-            torch.zeros(S, dtype=torch.int64),
-            torch.zeros(4, dtype=torch.int64),
+            free,
+            err,
             layout,
             pitch,
             weighted,
             10**9,
         )
         assert not done.any(), "the last program of each block leaves it at zero for the next launch"
+        assert not err.any(), "no wait timed out"
     assert all((d == -1.0).all() for d in decoys), "only the step's generation is written"
     for s, (lengths, ids, weights, ok) in enumerate(sent):
         b = batches[s]

@@ -391,6 +391,36 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
     exchange.close()
 
 
+def _own_rows_where_aligned(rank, world_size, dims):
+    """A rank's own rows go straight into its output only where its columns are
+    4-element aligned (the kernels' masks assume so); else through its slot, as any
+    owner's: the put kernels are given no own requester, ``output_take`` no columns."""
+    from torchrec_pgas.sharding import tw_device_exchange
+    from torchrec_pgas.sharding.device_batch import DeviceRoute
+
+    _fake_nvshmem(rank, unmapped=[])
+    exchange = _exchange(_transport("auto"), world_size, dims)
+    launched = {}
+    for name in ("rows_put", "output_take"):
+        setattr(tw_device_exchange, name, lambda *args, name=name, **kwargs: launched.setdefault(name, args))
+    exchange._check = lambda route: None
+    route = DeviceRoute(torch.zeros(exchange._err_at + RECORD_WORDS, dtype=torch.int64), 5, 5, step=1)
+    exchange._my_batches.append((5, 5))
+    pooled = exchange.exchange_pooled(torch.zeros(world_size * exchange._layout.batch_capacity, dims[rank]), route)
+    begin = sum(dims[:rank])
+    aligned = begin % 4 == 0 and dims[rank] % 4 == 0
+    if dims[rank]:
+        assert launched["rows_put"][2] is pooled and launched["rows_put"][3] == (rank if aligned else -1)
+    own = (0, begin, begin + dims[rank]) if aligned else (0, 0, 0)
+    assert launched["output_take"][1] is pooled and launched["output_take"][15] == own
+    exchange.close()
+
+
+@pytest.mark.parametrize("dims", [[6, 8], [8, 6, 4], [4, 0, 12]])
+def test_own_rows_in_place_only_where_columns_are_aligned(dims):
+    run_ranks(_own_rows_where_aligned, len(dims), dims=dims)
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_training_lookup_keys_ids_for_the_backward(world_size):
     run_ranks(_training_lookup_keys_ids_for_backward, world_size)

@@ -264,7 +264,7 @@ class DeviceTwExchange(DeviceTwSetup):
             tables,
             emb_modules[0].emb_module.weights_dev,
             route.out,
-            self._me,
+            self._own_rank,
             self._out_addrs,
             self._peers.my_counts,
             self._done,
@@ -312,11 +312,15 @@ class DeviceTwExchange(DeviceTwSetup):
         buffers, layout = self._buffers, self._layout
         assert buffers is not None and layout is not None
         me, out = self._me, self._output
-        pooled = route.out
+        pooled, route.out = route.out, None  # the route may live on (autograd): not the output
         if pooled is None:
             pooled = self._new_output(route.out_rows)
         elif route.out_stream != driver.active.get_current_stream(self._dev.index):
-            pooled.record_stream(torch.cuda.current_stream(self._dev))  # made on the lookup's
+            # A lookup on another stream: its stores into the output come before the
+            # take (which need not wait for them once the step is known bad).
+            current = torch.cuda.current_stream(self._dev)
+            current.wait_stream(torch.cuda.ExternalStream(route.out_stream, device=self._dev))
+            pooled.record_stream(current)
         if not route.ids_step:  # else ``lookup_put`` put the rows (and counted the step)
             self._out_step += 1
             if self._dims[me] > 0:
@@ -325,7 +329,7 @@ class DeviceTwExchange(DeviceTwSetup):
                     embs.to(self._out_dtype).contiguous(),
                     route.record[1 : self._err_at : HEADER_WORDS],
                     pooled,
-                    me,
+                    self._own_rank,
                     self._out_addrs,
                     self._peers.my_counts,
                     buffers.out_free,
@@ -357,7 +361,7 @@ class DeviceTwExchange(DeviceTwSetup):
             release_ids,
             self._errors.ring,
             self._t.timeout_ns,
-            (out.my_block, out.col_offsets[me], out.col_offsets[me] + self._dims[me]),
+            self._own_columns,
             put_path=self._peers.put_path,
         )
         if route.check_now:

@@ -72,7 +72,17 @@ class DeviceTwSetup(BaseTwExchange):
         self._me = transport.rank
         self._counts = [len(f) for f in self._features_per_rank]
         self._routing: IdsRouting = routing if routing is not None else TableWiseIds(self._counts)
-        self._output = output if output is not None else OutputBlocks(1, 0, self._dim_total, tuple(self._col_offsets))
+        self._output = out = (
+            output if output is not None else OutputBlocks(1, 0, self._dim_total, tuple(self._col_offsets))
+        )
+        # This rank's own rows go straight into its output (``own_rank``: the put kernels'
+        # requester for that; ``own_columns``: ``output_take``'s block and columns of it)
+        # where its columns are 4-element aligned, as the kernels' masks assume; else
+        # (a dense table of odd dim) through its slot, as any owner's.
+        begin, end = out.col_offsets[self._me], out.col_offsets[self._me] + self._dims[self._me]
+        aligned = begin % 4 == 0 and end % 4 == 0
+        self._own_rank = self._me if aligned else -1
+        self._own_columns = (out.my_block, begin, end) if aligned else (out.my_block, 0, 0)
         self._group_sizes = list(group_sizes)
         self._weighted = weighted
         self._exact_always = not lookup_reads_only_bags
