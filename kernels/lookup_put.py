@@ -73,7 +73,7 @@ from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.ids_slot import IdsSlotLayout
 from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 from torchrec_pgas.kernels.rows_put import BLOCK_B as COUNT_B
-from torchrec_pgas.kernels.rows_put import PUT_ROWS
+from torchrec_pgas.kernels.rows_put import PUT_ROWS, check_own
 from torchrec_pgas.kernels.signals import WAIT_OUT_FREE, count_in, last_to_finish, put_rows, signal_put, wait_ge
 
 #: Bags per program, two per warp: fewer, wider programs keep more rows in flight per
@@ -295,8 +295,7 @@ def lookup_put(
     depth, S, F = out_addrs.size(0), out_addrs.size(-1), features.size(0)
     if F == 0:
         return
-    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous():
-        raise ValueError(f"own: contiguous rows of {pitch} expected, got {list(own.shape)} strides {own.stride()}")
+    check_own(own, pitch, own.dtype)
     put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     # Whole blocks of COUNT_B rows, so that every block has its full count of programs.
     grid = (cdiv(layout.batch_capacity, COUNT_B) * (COUNT_B // BLOCK_B), S, F)

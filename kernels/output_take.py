@@ -1,8 +1,9 @@
 """Takes a requester's output of one step out of its output slot: waits for every
-owner's rows, copies the other owners' into the output (adding the owners' partial sums in rank
-order, for row-wise), then hands the slot back to the owners, and the ids slots back
-to their sources when the lookup pooled straight from them. One launch, since a step's
-time is mostly the host's and each launch costs the host more than the device.
+owner's rows, copies the other owners' into the output (adding the owners' partial
+sums in rank order, for row-wise), then hands the slot back to the owners, and the ids
+slots back to their sources when the lookup pooled straight from them. One launch,
+since a step's time is mostly the host's and each launch costs the host more than the
+device.
 
 The step is the clock's ``OUT + 1`` (``step_clock``; a replayed CUDA graph takes the
 next one): it picks the generation of the output slots. Program ``(blk, c)`` waits
@@ -13,11 +14,11 @@ out wait: the programs would otherwise time out wave after wave), then writes ro
 ...`` over the ``BLOCKS`` blocks, added in that order in fp32 and rounded to the output
 dtype after each addition, as torch adds tensors. This rank's own rows are in ``out``
 already (``lookup_put`` and ``rows_put`` store them there): block ``own_block``'s
-columns ``4 * own_begin4 ... 4 * own_end4`` are read from ``out`` instead of the slot, and with
-one block are not written again (at world size 1 nothing is copied). If the step is
-bad (a source's header in ``record`` is not ``OK``, or the error record holds an
-error), the rows are NaN instead: the host raises for the step later (``ring``), and
-its output must not pass for a result meanwhile.
+columns ``4 * own_begin4 ... 4 * own_end4`` are read from ``out`` instead of the slot,
+and with one block are not written again (at world size 1 nothing is copied). If the
+step is bad (a source's header in ``record`` is not ``OK``, or the error record holds
+an error), the rows are NaN instead: the host raises for the step later (``ring``),
+and its output must not pass for a result meanwhile.
 
 The programs tick ``done`` (acquire-release at GPU scope); the last one resets it,
 copies the error record to ``record[at:]``, releases the slots (it stores the step into
@@ -232,8 +233,8 @@ def output_take(
     """Launches ``(cdiv(batch, BLOCK_B), cdiv(pitch, BLOCK_D))`` programs, at least one,
     for ``out``'s ``batch`` rows, once every owner has stored ``expect`` more programs
     (see the module docstring). ``own``: this rank's rows in ``out``, as its block and
-    first and last-plus-one columns, multiples of 4 (an empty range if it owns no table). With
-    ``put_path``, ``out_free`` and ``ids_free`` are ``[PUT_ROWS, n]`` tables and free
+    first and last-plus-one columns, multiples of 4 (an empty range if it owns no
+    table). With ``put_path``, ``out_free`` and ``ids_free`` are ``[PUT_ROWS, n]`` tables and free
     words without a peer mapping are set through NVSHMEM (which must be initialized)."""
     depth, blocks, rows, pitch = slots.shape
     own_block, own_begin, own_end = own

@@ -163,11 +163,7 @@ def rows_put(
     through NVSHMEM (which must be initialized). ``own`` (this rank's output, rank
     ``me``'s batch rows of ``pitch``, ``src``'s dtype) takes ``me``'s rows."""
     depth, S, dim = out_addrs.size(0), batch.numel(), src.size(1)
-    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous() or own.dtype != src.dtype:
-        raise ValueError(
-            f"own: contiguous {src.dtype} rows of {pitch} expected, got {own.dtype} {list(own.shape)} "
-            f"strides {own.stride()}"
-        )
+    check_own(own, pitch, src.dtype)
     grid = (S, cdiv(batch_capacity, BLOCK_B))
     put = nv.put_path_options("out_addrs", out_addrs, (depth, PUT_ROWS, S)) if put_path else {}
     _launcher[grid](
@@ -193,6 +189,16 @@ def rows_put(
         num_warps=NUM_WARPS,
         **put,
     )
+
+
+def check_own(own: torch.Tensor, pitch: int, dtype: torch.dtype) -> None:
+    """Refuses a rank's output that the put kernels cannot store its own rows into:
+    anything but contiguous ``dtype`` rows of ``pitch`` elements."""
+    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous() or own.dtype != dtype:
+        raise ValueError(
+            f"own: contiguous {dtype} rows of {pitch} expected, got {own.dtype} {list(own.shape)} "
+            f"strides {own.stride()}"
+        )
 
 
 def programs_per_requester(batch_size: int) -> int:

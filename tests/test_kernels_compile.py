@@ -801,3 +801,28 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
                 (0, 0, 0),
                 put_path=True,
             )
+
+
+@pytest.mark.parametrize(
+    "own",
+    ["1-D", "other pitch", "strided", "other dtype"],
+)
+def test_an_output_the_puts_cannot_store_own_rows_into_is_refused(own):
+    """``rows_put`` and ``lookup_put`` store a rank's own rows into its output as
+    contiguous rows of the pitch in the rows' dtype: anything else is refused before a
+    launch, naming ``own``."""
+    import torch
+
+    good = torch.zeros(5, 8)
+    bad = {
+        "1-D": torch.zeros(40),
+        "other pitch": torch.zeros(5, 12),
+        "strided": torch.zeros(5, 16)[:, :8],
+        "other dtype": torch.zeros(5, 8, dtype=torch.float16),
+    }[own]
+    rows_put.check_own(good, 8, torch.float32)
+    with pytest.raises(ValueError, match="own: contiguous torch.float32 rows of 8"):
+        rows_put.check_own(bad, 8, torch.float32)
+    i64 = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="own: contiguous"):
+        rows_put.rows_put(torch.zeros(8, 8), i64, bad, 0, i64.view(1, 4), i64, i64, i64, i64[:1], 2, 8, 0, 1)
