@@ -15,7 +15,8 @@ out wait: the programs would otherwise time out wave after wave), then writes ro
 dtype after each addition, as torch adds tensors. This rank's own rows are in ``out``
 already (``lookup_put`` and ``rows_put`` store them there): block ``own_block``'s
 columns ``4 * own_begin4 ... 4 * own_end4`` are read from ``out`` instead of the slot,
-and with one block are not written again (at world size 1 nothing is copied). If the
+and with one block are neither read nor written again (at world size 1 nothing is
+copied). If the
 step is bad (a source's header in ``record`` is not ``OK``, or the error record holds
 an error), the rows are NaN instead: the host raises for the step later (``ring``),
 and its output must not pass for a result meanwhile.
@@ -102,10 +103,11 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
 
 
 @triton.jit
-def _block(block_ptr, out_ptr, at_rc, mask, in_out):
+def _block(block_ptr, out_ptr, at_rc, mask, in_out, READ_OWN: tl.constexpr):
     """A block's tile: from ``out`` where ``in_out`` (this rank's own rows, stored there
-    in place), else from the slot's block at ``block_ptr``."""
-    mine = tl.load(out_ptr + at_rc, mask=mask & in_out)
+    in place; undefined there unless ``READ_OWN``), else from the slot's block at
+    ``block_ptr``."""
+    mine = tl.load(out_ptr + at_rc, mask=mask & in_out & READ_OWN)
     theirs = tl.load(block_ptr + at_rc, mask=mask & ~in_out)
     return tl.where(in_out, mine, theirs)
 
@@ -178,15 +180,16 @@ def output_take_kernel(
     # Given in 4-element units (FBGEMM's dims are multiples of 4): the masks then keep
     # 4-element accesses.
     own_cols = ((cols >= own_begin4 * 4) & (cols < own_end4 * 4))[None, :]
-    acc = _block(slot_ptr, out_ptr, at_rc, mask, own_cols & (own_block == 0))
+    # With one block, this rank's own columns hold the output already: they are not
+    # read (a bad step stores NaN there without them).
+    acc = _block(slot_ptr, out_ptr, at_rc, mask, own_cols & (own_block == 0), BLOCKS > 1)
     for k in tl.static_range(1, BLOCKS):
-        part = _block(slot_ptr + k * rows * pitch, out_ptr, at_rc, mask, own_cols & (own_block == k))
+        part = _block(slot_ptr + k * rows * pitch, out_ptr, at_rc, mask, own_cols & (own_block == k), True)
         acc = (acc.to(tl.float32) + part.to(tl.float32)).to(acc.dtype)
     bad = tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") != 0
     for q in range(num_sources):
         bad |= tl.load(record_ptr + q * _HEADER_WORDS) != _OK
     acc = tl.where(bad, float("nan"), acc.to(tl.float32)).to(acc.dtype)
-    # With one block, this rank's own columns hold the output already.
     unchanged = own_cols & (BLOCKS == 1)
     tl.store(out_ptr + at_rc, acc, mask=mask & (bad | ~unchanged))
     # Every thread's reads of the slot are done before the tick.
