@@ -162,86 +162,88 @@ def lookup_put_kernel(
     s = tl.program_id(1)
     f = tl.program_id(2)
     S = tl.num_programs(1)
-    slots_ptr = mailbox_ptr + (tl.load(ids_step_ptr) % DEPTH) * S * slot_bytes
+    # For short bags a program's time is its chain of dependent loads: what does not
+    # depend on the source's batch size is read before it and alongside it. Bags past
+    # the batch are empty (``bag_offsets``), so their lengths, not the batch size, mask
+    # the loads of ids and rows, and only the stores wait for it.
+    seg = (f * S + s).to(tl.int64) * batch_capacity
+    rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
+    in_capacity = rows < batch_capacity
+    start = tl.load(offsets_ptr + seg + rows, mask=in_capacity, other=0)
+    L = tl.load(offsets_ptr + seg + rows + 1, mask=in_capacity, other=0) - start
+    meta = features_ptr + f * 4
+    table = tl.multiple_of(tl.load(meta).to(table_ptr.dtype, bitcast=True), ROW_ALIGN)
+    # Dims, columns and the pitch are multiples of 4 elements (FBGEMM's dims are):
+    # told so, Triton loads and stores 4 elements at once (else one at a time).
+    dim = tl.multiple_of(tl.load(meta + 1), 4)
+    col = tl.multiple_of(tl.load(meta + 2), 4)
+    mean = tl.load(meta + 3) != 0
+    ids_step = tl.load(ids_step_ptr)
     out_step = tl.load(out_step_ptr) + 1
-    free_target = out_step - DEPTH
+    # Where feature f's ids start in the slot: after the earlier features' ids,
+    # FEATURES of them read at once (one at a time, each waited on the last).
+    first = seg - seg
+    for g0 in range(0, f, FEATURES):
+        g = g0 + tl.arange(0, FEATURES)
+        g_bag = (g * S + s).to(tl.int64) * batch_capacity
+        earlier = g < f
+        ends = tl.load(offsets_ptr + g_bag + batch_capacity, mask=earlier, other=0)
+        first += tl.sum(ends - tl.load(offsets_ptr + g_bag, mask=earlier, other=0))
+    pos = first + start - tl.load(offsets_ptr + seg)
+    slot = mailbox_ptr + (ids_step % DEPTH) * S * slot_bytes + s.to(tl.int64) * slot_bytes
+    batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
+    ids_ptr = (slot + ids_offset).to(tl.pointer_type(tl.int64), bitcast=True) + pos
+    w_ptr = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + pos
     # This step's table of the requesters' output slots.
     if PUT_PATH:
         out_addrs_ptr += (out_step % DEPTH) * _PUT_ROWS * S
     else:
         out_addrs_ptr += (out_step % DEPTH) * S
-    slot = slots_ptr + s.to(tl.int64) * slot_bytes
-    batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
+    out_addr = tl.load(out_addrs_ptr + s)
     ok = blk * BLOCK_B < batch
-    # This rank's own rows go to its output, not to a slot it must wait for.
-    if ok & (free_target > 0) & (s != me):
-        ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
-    if ok:
-        # Where feature f's ids start in the slot: after the earlier features' ids,
-        # FEATURES of them read at once (one at a time, each waited on the last).
-        first = batch - batch
-        for g0 in range(0, f, FEATURES):
-            g = g0 + tl.arange(0, FEATURES)
-            g_bag = (g * S + s).to(tl.int64) * batch_capacity
-            earlier = g < f
-            ends = tl.load(offsets_ptr + g_bag + batch_capacity, mask=earlier, other=0)
-            first += tl.sum(ends - tl.load(offsets_ptr + g_bag, mask=earlier, other=0))
-        seg = (f * S + s).to(tl.int64) * batch_capacity
-        rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
-        row_ok = rows < batch
-        start = tl.load(offsets_ptr + seg + rows, mask=row_ok, other=0)
-        L = tl.load(offsets_ptr + seg + rows + 1, mask=row_ok, other=0) - start
-        pos = first + start - tl.load(offsets_ptr + seg)
-        ids_ptr = (slot + ids_offset).to(tl.pointer_type(tl.int64), bitcast=True) + pos
-        w_ptr = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + pos
-
-        meta = features_ptr + f * 4
-        table = tl.multiple_of(tl.load(meta).to(table_ptr.dtype, bitcast=True), ROW_ALIGN)
-        # Dims, columns and the pitch are multiples of 4 elements (FBGEMM's dims are):
-        # told so, Triton loads and stores 4 elements at once (else one at a time).
-        dim = tl.multiple_of(tl.load(meta + 1), 4)
-        col = tl.multiple_of(tl.load(meta + 2), 4)
-        # FBGEMM multiplies by 1/L (IEEE division) for mean and by 1 for sum.
-        inv_L = tl.where(
-            (tl.load(meta + 3) != 0) & (L != 0),
-            tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), L.to(tl.float32)),
-            1.0,
+    # This rank's own rows go to its output, not to a slot it must wait for (decided
+    # without the batch size: its loads then need not wait for it).
+    if s != me:
+        free_target = out_step - DEPTH
+        if ok & (free_target > 0):
+            ok = wait_ge(free_ptr + s, free_target, timeout_ns, err_ptr, s, WAIT_OUT_FREE)
+    # FBGEMM multiplies by 1/L (IEEE division) for mean and by 1 for sum.
+    inv_L = tl.where(mean & (L != 0), tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), L.to(tl.float32)), 1.0)
+    if PUT_PATH:
+        staged = out_addr == 0
+        out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
+    out = tl.multiple_of(tl.where(s == me, own_ptr, out_addr.to(own_ptr.dtype, bitcast=True)), OUT_ALIGN)
+    dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
+    store_ok = (rows < batch) & ok
+    longest = tl.max(L)
+    for d0 in range(0, dim, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols < dim
+        acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        # ROWS rows in flight per bag (their loads do not wait on the sum), added in id
+        # order.
+        for j in range(0, longest, ROWS):
+            for u in tl.static_range(ROWS):
+                v, w, t = _row(table, ids_ptr, w_ptr, j + u, L, in_capacity, dim, cols, col_ok, HAS_WEIGHTS)
+                acc = _add(acc, v, w, t, HAS_WEIGHTS)
+        acc = acc * inv_L[:, None]
+        tl.store(
+            out + dst_rows[:, None] + cols[None, :],
+            acc.to(own_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+            mask=store_ok[:, None] & col_ok[None, :],
         )
-        out_addr = tl.load(out_addrs_ptr + s)
-        if PUT_PATH:
-            staged = out_addr == 0
-            out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
-        out = tl.multiple_of(tl.where(s == me, own_ptr, out_addr.to(own_ptr.dtype, bitcast=True)), OUT_ALIGN)
-        dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
-        longest = tl.max(L)
-        for d0 in range(0, dim, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            col_ok = cols < dim
-            acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-            # ROWS rows in flight per bag (their loads do not wait on the sum), added
-            # in id order.
-            for j in range(0, longest, ROWS):
-                for u in tl.static_range(ROWS):
-                    v, w, t = _row(table, ids_ptr, w_ptr, j + u, L, row_ok, dim, cols, col_ok, HAS_WEIGHTS)
-                    acc = _add(acc, v, w, t, HAS_WEIGHTS)
-            acc = acc * inv_L[:, None]
-            tl.store(
-                out + dst_rows[:, None] + cols[None, :],
-                acc.to(own_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                mask=row_ok[:, None] & col_ok[None, :],
-            )
-        if PUT_PATH:
-            if staged:
-                # Every thread's stores are issued before the block puts them.
-                tl.debug_barrier()
-                pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
-                size = own_ptr.dtype.element_ty.primitive_bitwidth // 8
-                at = col.to(tl.int64) * size
-                dst = tl.load(out_addrs_ptr + 2 * S + s) + at
-                n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
-                put_rows(dst, out_addr + at, pitch * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
-                # Landed before the tick: the count below publishes every program's rows.
-                nv.quiet()
+    if PUT_PATH:
+        if ok & staged:
+            # Every thread's stores are issued before the block puts them.
+            tl.debug_barrier()
+            pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
+            size = own_ptr.dtype.element_ty.primitive_bitwidth // 8
+            at = col.to(tl.int64) * size
+            dst = tl.load(out_addrs_ptr + 2 * S + s) + at
+            n = tl.minimum(batch - blk * BLOCK_B, BLOCK_B)
+            put_rows(dst, out_addr + at, pitch * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
+            # Landed before the tick: the count below publishes every program's rows.
+            nv.quiet()
     block = blk // (COUNT_B // BLOCK_B)
     if block * COUNT_B < batch:
         # Every thread's stores are issued before the tick.
