@@ -35,6 +35,7 @@ import functools
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
 import triton
 
 #: The Triton release the fast path was written against (``triton==3.6.0`` is pinned).
@@ -66,6 +67,14 @@ def cdiv(a: int, b: int) -> int:
     whose call from Python goes through Triton's wrapper (unwrapping every argument)
     rather than being one integer operation."""
     return -(-a // b)
+
+
+def strided_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) as rows a kernel reads at its row stride: ``t`` itself where each
+    row's elements are adjacent, whatever the stride between rows (a column slice of a
+    wider tensor, as the backward of ``torch.cat`` hands each sharding its part of a
+    module's gradient), else a contiguous copy."""
+    return t if t.size(1) <= 1 or t.stride(1) == 1 else t.contiguous()
 
 
 def next_power_of_2(n: int) -> int:

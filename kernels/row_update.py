@@ -36,9 +36,11 @@ Buffers:
                (``sort_order``)
     tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows: its first
                row, weights offset, dim and optimizer state offset (``sort_order``)
-    grad:      [bags_per_feature, pitch] (fp32, fp16 or bf16)  the gradient of the
-               owner's lookup output, rows contiguous (read 4 elements at a time where
-               ``pitch`` and its address allow: ``GRAD_ALIGNED``)
+    grad:      [bags_per_feature, >= pitch] (fp32, fp16 or bf16)  the gradient of the
+               owner's lookup output, each row's elements adjacent, rows ``stride``
+               elements apart: ``pitch`` (the one ``src`` was computed at), or another
+               (``RESTRIDE``: a column slice of a wider gradient); read 4 elements at a
+               time where the stride and its address allow (``GRAD_ALIGNED``)
     weights:   float32 [...]  the group's weights (FBGEMM's ``weights_dev``), in/out
     state:     float32 [...]  the row-wise optimizer state (``momentum1_dev``), in/out
     partial:   float32 ``partial_shape(N, max_dim)``, rows of ``PARTIAL_PITCH``  out: the
@@ -107,7 +109,7 @@ def _run_sum(begins_a, sum_a, begins_b, sum_b):
     return begins_a | begins_b, tl.where(begins_b, sum_b, sum_a + sum_b)
 
 
-@triton.jit(do_not_specialize=["n", "weight_decay_mode"])
+@triton.jit(do_not_specialize=["n", "pitch", "stride", "weight_decay_mode"])
 def row_update_kernel(
     keys_ptr,
     src_ptr,
@@ -120,6 +122,8 @@ def row_update_kernel(
     partial_ptr,
     verdict_ptr,
     n: tl.int64,
+    pitch: tl.int64,
+    stride: tl.int64,
     hyper_ptr,
     weight_decay_mode: tl.int64,
     OPTIM: tl.constexpr,
@@ -131,6 +135,7 @@ def row_update_kernel(
     BLOCK_D: tl.constexpr,
     PARTIAL_PITCH: tl.constexpr,
     GRAD_ALIGNED: tl.constexpr,
+    RESTRIDE: tl.constexpr,
 ):
     good = tl.load(verdict_ptr) == 0
     b = tl.program_id(0).to(tl.int64)
@@ -153,6 +158,10 @@ def row_update_kernel(
             before = tl.load(keys_ptr + p - 1, mask=(p > begin) & in_block, other=SENTINEL)
             after = tl.load(keys_ptr + p + 1, mask=p + 1 < end, other=SENTINEL)
             src = tl.load(src_ptr + p, mask=in_block, other=0)
+            if RESTRIDE:
+                # ``src`` is a row and a column at ``pitch``: the same at the rows' stride.
+                row = src // pitch
+                src = row * stride + (src - row * pitch)
             if GRAD_ALIGNED:
                 src = tl.multiple_of(src, 4)
             table = tl.load(table_index_ptr + p, mask=in_block, other=0)
@@ -212,6 +221,7 @@ def row_update(
     table_index: torch.Tensor,
     tables: torch.Tensor,
     grad: torch.Tensor,
+    pitch: int,
     weights: torch.Tensor,
     state: torch.Tensor,
     partial: torch.Tensor,
@@ -221,13 +231,16 @@ def row_update(
     rule: StepRule,
     scaled: bool,
 ) -> None:
-    """Launches ``cdiv(N, block_positions(max_dim))`` programs (see the module docstring)."""
+    """Launches ``cdiv(N, block_positions(max_dim))`` programs (see the module docstring)
+    for gradient rows at ``src``'s ``pitch``, which ``grad``'s rows may lie at another
+    stride from."""
     n = keys.numel()
     if n == 0:
         return
     if grad.stride(1) != 1:
         raise ValueError(f"the gradient's rows must be contiguous, got strides {grad.stride()}")
     block = block_positions(max_dim)
+    stride = grad.stride(0)
     _launcher[(cdiv(n, block),)](
         keys,
         src,
@@ -240,6 +253,8 @@ def row_update(
         partial,
         verdict,
         n,
+        pitch,
+        stride,
         hyper,
         rule.weight_decay_mode,
         OPTIM=rule.optim,
@@ -250,6 +265,7 @@ def row_update(
         ROWS=tile_rows(max_dim),
         BLOCK_D=dim_block(max_dim),
         PARTIAL_PITCH=partial.stride(0),
-        GRAD_ALIGNED=grad.stride(0) % 4 == 0 and grad.data_ptr() % (4 * grad.element_size()) == 0,
+        GRAD_ALIGNED=stride % 4 == 0 and pitch % 4 == 0 and grad.data_ptr() % (4 * grad.element_size()) == 0,
+        RESTRIDE=stride != pitch,
         num_warps=NUM_WARPS,
     )

@@ -435,10 +435,12 @@ CASES = {
                 "BLOCK_D": block_d,
                 "PARTIAL_PITCH": block_d,
                 "GRAD_ALIGNED": scaled,
+                "RESTRIDE": restride,
             }
             for optim in (0, 1)
             for scaled in (False, True)
             for rows, block_d in ((8, 128), (1, 1024))
+            for restride in (False, True)
         ],
     ),
     "run_update": (

@@ -1058,8 +1058,12 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
     psw = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
     # A gradient wider than the features' columns: the pitch is read, not assumed (and
     # for seed 1 not a multiple of 4, so its rows are not read 4 elements at a time).
+    # Seeds 1 and 3 key the ids for rows of the columns alone, as the lookup output's
+    # own gradient has them, and get a column slice of a wider one (as ``torch.cat``'s
+    # backward gives a module's sharding): read at its rows' stride.
     total_dim = sum(dims[t] for t in table_of)
     grad = torch.randn(B, total_dim + (3 if seed == 1 else 4), generator=g)[:, :total_dim]
+    pitch = total_dim if seed in (1, 3) else grad.stride(0)
 
     adagrad = optimizer != "EXACT_SGD"
     w0 = tbe.weights_host.detach().clone()
@@ -1087,7 +1091,7 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         err = err.clone()
         total_rows = int(tbe.total_hash_size)
         k.update_keys.update_keys(
-            offsets, indices, psw_in, features, keys, src, scale, B, grad.stride(0), total_rows, scaled, weighted
+            offsets, indices, psw_in, features, keys, src, scale, B, pitch, total_rows, scaled, weighted
         )  # fmt: skip
         k.step_verdict.step_verdict(record, err, verdict, S)
         if err_after_verdict is not None:
@@ -1109,8 +1113,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         rule = row_step.StepRule(optim, wd_mode)
         hyper = torch.tensor([lr, eps, wd])
         k.row_update.row_update(
-            sorted_keys, src, scale, sorted_table, tables, grad, table, state, partial, verdict, hyper, max(dims), rule,
-            scaled,
+            sorted_keys, src, scale, sorted_table, tables, grad, pitch, table, state, partial, verdict, hyper,
+            max(dims), rule, scaled,
         )  # fmt: skip
         sums = torch.full(k.run_groups.sums_shape(n, max(dims)), float("nan"))
         k.run_groups.run_groups(sorted_keys, partial, sums, max(dims))

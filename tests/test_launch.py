@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
-from torchrec_pgas.kernels.launch import Launcher  # noqa: E402
+from torchrec_pgas.kernels.launch import Launcher, strided_rows  # noqa: E402
 
 
 class _Driver:
@@ -247,3 +247,15 @@ def test_grids_keep_cuda_limits_at_large_batches(monkeypatch):
     (grid,) = grids
     assert grid[0] * lookup_put.BLOCK_B >= layout.batch_capacity
     assert max(grid[1:]) <= 65535, grid
+
+
+def test_strided_rows_keeps_rows_whose_elements_are_adjacent():
+    """A kernel reads rows at their stride: a column slice of a wider tensor (and a
+    row broadcast over the batch) is passed as it is, its storage shared; columns whose
+    elements are not adjacent are copied into contiguous rows of the same values."""
+    wide = torch.randn(6, 20)
+    for t in (wide, wide[:, 4:12], wide[2:5, 8:], torch.randn(1, 8).expand(5, 8), wide[:, 3:4]):
+        assert strided_rows(t) is t
+    for t in (wide.t(), wide[:, ::2], torch.randn(5, 1).expand(5, 8)):
+        rows = strided_rows(t)
+        assert rows.is_contiguous() and torch.equal(rows, t) and rows.data_ptr() != t.data_ptr()

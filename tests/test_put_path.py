@@ -388,6 +388,13 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
         grad_out = torch.randn(5, dims[0])
         grad = exchange.exchange_grads(grad_out, route, out.shape, divide=True)
         assert grad is grad_out and calls[-1] != "grads_put", "no copy, no put"
+        # This sharding's columns of a module's gradient (``torch.cat``'s backward gives
+        # a column slice) are read where they are; columns not adjacent are copied.
+        sliced = torch.randn(5, dims[0] + 8)[:, 4 : 4 + dims[0]]
+        assert exchange.exchange_grads(sliced, route, out.shape, divide=True) is sliced
+        transposed = torch.randn(dims[0], 5).t()
+        copied = exchange.exchange_grads(transposed, route, out.shape, divide=True)
+        assert copied.is_contiguous() and torch.equal(copied, transposed)
     exchange.close()
 
 

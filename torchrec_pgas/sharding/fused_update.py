@@ -35,6 +35,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.kernels.launch import strided_rows
 from torchrec_pgas.kernels.row_step import HYPER_WORDS, ROWWISE_ADAGRAD, SGD, StepRule
 from torchrec_pgas.kernels.row_update import partial_shape, row_update
 from torchrec_pgas.kernels.run_groups import run_groups, sums_shape
@@ -285,7 +286,7 @@ class FusedUpdate:
             return
         if grad.dim() != 2 or grad.shape[1] != pitch:
             raise ValueError(f"the lookup output's gradient is {list(grad.shape)}, expected rows of {pitch}")
-        grad = grad.contiguous()  # the kernels read rows of the pitch the keys were given
+        grad = strided_rows(grad)  # a column slice of the module's gradient is read where it is
         verdict = torch.empty(1, dtype=torch.int64, device=grad.device)
         step_verdict(record, err, verdict, num_sources)
         # Not while a graph is captured: a write recorded there would put the capture's
@@ -307,6 +308,7 @@ class FusedUpdate:
                 ids.table_index,
                 group.tables,
                 grad,
+                pitch,
                 tbe.weights_dev,
                 state,
                 partial,

@@ -70,6 +70,7 @@ from torchrec_pgas.kernels.grads_put import grads_put, programs_per_source
 from torchrec_pgas.kernels.ids_check import ids_check
 from torchrec_pgas.kernels.ids_header import ids_header
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
+from torchrec_pgas.kernels.launch import strided_rows
 from torchrec_pgas.kernels.lookup_put import lookup_put
 from torchrec_pgas.kernels.output_take import RECORD_WORDS, output_take
 from torchrec_pgas.kernels.put_signal import put_signal
@@ -391,7 +392,7 @@ class DeviceTwExchange(DeviceTwSetup):
         if route.grads_in_place:
             # One source, every column, scale 1: the slot would hold a copy of it (the
             # clock's backward step and the slots' releases are then never used).
-            return grad_out.to(self._out_dtype).contiguous()
+            return strided_rows(grad_out.to(self._out_dtype))
         cap = layout.batch_capacity
         owner = self._dims[self._me] > 0
         if owner:
@@ -401,7 +402,7 @@ class DeviceTwExchange(DeviceTwSetup):
             # forward, whose output dist waited for its lookup).
             buffers.release_grads()
         grads_put(
-            grad_out.to(self._out_dtype).contiguous(),
+            strided_rows(grad_out.to(self._out_dtype)),
             self._peers.grad_dests,
             buffers.grads_free,
             buffers.err,
