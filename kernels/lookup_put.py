@@ -17,8 +17,8 @@ GPU scope: they all run on this GPU), and the last of them (``done`` reaches
 ``done_target``) resets it for the next launch and adds one to the requester's counter
 with release semantics at system scope. Release is cumulative, so that count publishes
 the rows every program of the block stored. Programs of blocks past the requester's
-batch (half the grid with the default headroom) return at once rather than each pay
-a system-scope tick.
+batch (half the grid with the default headroom) store and tick nothing, rather than
+each pay a system-scope tick.
 
 Compiled with ``PUT_PATH``, a requester without a peer mapping (its ``out_addrs`` entry
 0: another node) is served through NVSHMEM, as in ``rows_put``: pooled rows go to a

@@ -237,7 +237,7 @@ def row_update(
     n = keys.numel()
     if n == 0:
         return
-    if grad.stride(1) != 1:
+    if grad.size(1) > 1 and grad.stride(1) != 1:
         raise ValueError(f"the gradient's rows must be contiguous, got strides {grad.stride()}")
     block = block_positions(max_dim)
     stride = grad.stride(0)

@@ -4,6 +4,7 @@ This runs on CPU-only machines (CI): it proves the kernels compile and link, not
 they do; the GPU tests (tests/test_gpu.py) prove that on the device.
 """
 
+import itertools
 import os
 import re
 import subprocess
@@ -693,13 +694,14 @@ def test_fused_update_moves_rows_four_elements_at_once():
     sixteen = [["tt.divisibility", 16]]
     names = list(CASES["row_update"][1])
     attrs = {(names.index(a),): sixteen for a in CASES["row_update"][1]}
-    for aligned in (True, False):
-        chosen = _variant("row_update", OPTIM=0, SCALED=aligned, ROWS=8, GRAD_ALIGNED=aligned)
+    # Re-strided gradient rows (a column slice of a wider gradient) are read so too.
+    for aligned, restride in itertools.product((True, False), (False, True)):
+        chosen = _variant("row_update", OPTIM=0, SCALED=aligned, ROWS=8, GRAD_ALIGNED=aligned, RESTRIDE=restride)
         ptx = _ptx("row_update", chosen, row_update.NUM_WARPS, attrs)
         # Per row of the block (8 rows of 128 over 32 lanes): its weights, and with
         # GRAD_ALIGNED its gradient, as one 16-byte access per lane.
-        assert ptx.count("ld.global.v4.b32") >= (16 if aligned else 8), aligned
-        assert ptx.count("st.global.v4.b32") >= 8 and "st.global.b32" not in ptx, aligned
+        assert ptx.count("ld.global.v4.b32") >= (16 if aligned else 8), (aligned, restride)
+        assert ptx.count("st.global.v4.b32") >= 8 and "st.global.b32" not in ptx, (aligned, restride)
     names = list(CASES["run_update"][1])
     attrs = {(names.index(a),): sixteen for a in CASES["run_update"][1]}
     ptx = _ptx("run_update", _variant("run_update", OPTIM=0), run_update.NUM_WARPS, attrs)

@@ -1319,8 +1319,9 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
 def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     """``FusedUpdate`` as the owner runs it: two lookup groups (``EXACT_SGD`` over two
     tables, ``EXACT_ROWWISE_ADAGRAD`` over one) read their columns of one gradient
-    (the second group's after the first's), from index tensors of fixed capacity padded
-    past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
+    (the second group's after the first's; with seed 1 a column slice of a wider one,
+    as a module with several sharding types gives each), from index tensors of fixed
+    capacity padded past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
     batch's ids (1e-6) over three steps whose learning rate changes (through the fused
     optimizer, through FBGEMM's module), and a bad step's record updates neither."""
     import copy
@@ -1350,6 +1351,13 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
         batches.append((values, _offsets(lengths), padded))
     widths = [int(ref.D_offsets[-1]) for ref in refs]
     grad = torch.randn(B, sum(widths), generator=g)
+    # Seed 1: the gradient as ``torch.cat``'s backward hands it to one sharding of a
+    # module, a column slice of a wider one, which the update reads where it is.
+    given = grad
+    if seed == 1:
+        wide = torch.randn(B, sum(widths) + 12, generator=g)
+        wide[:, 8 : 8 + sum(widths)] = grad
+        given = wide[:, 8 : 8 + sum(widths)]
     ours = [_as_on_gpu(copy.deepcopy(ref)) for ref in refs]
     # Each lookup's fused optimizer, as far as the update reads it.
     optimizers = [SimpleNamespace(param_groups=[{"lr": ref.get_learning_rate()}]) for ref in refs]
@@ -1368,7 +1376,7 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     bad[0] = int(Status.OVER_CAPACITY)
     before = [t.weights_dev.clone() for t in ours]
     prepared = update.prepare(groups, kjts, B, grad.shape[1])
-    update.apply(groups, prepared, grad, grad.shape[1], bad, err, S)
+    update.apply(groups, prepared, given, grad.shape[1], bad, err, S)
     assert all(torch.equal(t.weights_dev, w) for t, w in zip(ours, before))
     # Good steps at the tables' learning rate; at one a schedule set in the fused
     # optimizers' param_groups, taken by ``refresh`` (as before a graph's replay); at one
@@ -1382,7 +1390,7 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
         elif step == 2:
             for t in ours:
                 t.set_learning_rate(lr)
-        update.apply(groups, prepared, grad, grad.shape[1], record, err, S)
+        update.apply(groups, prepared, given, grad.shape[1], record, err, S)
         col = 0
         for ref, mine, (values, offsets, _), width, w0 in zip(refs, ours, batches, widths, before):
             if lr is not None:
