@@ -787,3 +787,60 @@ def test_floor_bandwidths_print_what_each_was_measured_with():
     assert [line.split()[0] for line in lines] == ["16", "64", "256"]
     # CPU processes: the host transport's put (GPUs: device-initiated multi-block put+signal).
     assert all("GB/s, host transport put" in line and float(line.split()[-4]) > 0 for line in lines), lines
+
+
+NCU_CSV = """==PROF== Connected to process 1234 (python3)
+profiled one train step of table_wise: ...
+"ID","Process ID","Kernel Name","Context","dram__bytes_read.sum","dram__bytes_write.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed","gpu__time_duration.sum"
+"","","","","Mbyte","Kbyte","%","usecond"
+"0","1234","lookup_put_kernel","1","1,250.5","300","73.6","1,506.6"
+"1","1234","row_update_kernel","1","20","0.5","55.1","3.25"
+==PROF== Disconnected from process 1234
+"""
+
+
+def test_nsight_table_reads_ncu_raw_csv_in_its_units():
+    """Nsight Compute's raw CSV, with the program's own lines around it: one row per
+    launch in launch order, each metric scaled from the unit its column gives to the
+    table's (us, MB, %), and the total time; text without the CSV is refused."""
+    from torchrec_pgas.benchmark import nsight
+
+    lines = nsight.table(NCU_CSV).splitlines()
+    assert lines[0] == "| kernel | us | DRAM % | read MB | written MB |"
+    assert lines[2] == "| `lookup_put_kernel` | 1506.6 | 73.6 | 1250.5 | 0.3 |"
+    assert lines[3] == "| `row_update_kernel` | 3.2 | 55.1 | 20.0 | 0.0 |"
+    assert lines[-1] == "total 1509.8 us"
+    # Without a units' row: base units (ns, bytes).
+    base = "\n".join(line for line in NCU_CSV.splitlines() if '"Mbyte"' not in line)
+    assert "| `lookup_put_kernel` | 1.5 | 73.6 | 0.0 | 0.0 |" in nsight.table(base)
+    with pytest.raises(ValueError, match="Kernel Name"):
+        nsight.table("==PROF== nothing profiled\n")
+
+
+def _nsight_steps(rank, world_size):
+    """Each sharding's one step runs between the range's start and stop, after its
+    warm-up steps, one sharding after the other; the DLRM-shaped scenario takes its
+    own tables at the given scale."""
+    from torchrec_pgas.benchmark import nsight
+
+    args = nsight._parse([*TINY_RUN, "--warmup", "2"])
+    events = []
+    steps = workload.steps
+
+    def recorded_steps(model, kjts, grads):
+        forward, train_step = steps(model, kjts, grads)
+        return forward, lambda i: (events.append(("train", i)), train_step(i))
+
+    workload.steps = recorded_steps
+    shardings = nsight.profile_steps(
+        args, torch.device("cpu"), lambda: events.append("begin"), lambda: events.append("end")
+    )
+    assert shardings == ["table_wise", "pgas_table_wise"]
+    one = [("train", 0), ("train", 1), "begin", ("train", 2), "end"]
+    assert events == one + one, events
+    dlrm = nsight.config(nsight._parse(["--scenario", "dlrm", "--scale", "0.001"]), world_size)
+    assert dlrm.shape == "dlrm" and dlrm.scale == 0.001 and dlrm.zipf_alpha > 0
+
+
+def test_nsight_profiles_each_sharding_between_the_ranges_start_and_stop():
+    run_ranks(_nsight_steps, 2)
