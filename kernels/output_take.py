@@ -16,10 +16,9 @@ dtype after each addition, as torch adds tensors. This rank's own rows are in ``
 already (``lookup_put`` and ``rows_put`` store them there): block ``own_block``'s
 columns ``4 * own_begin4 ... 4 * own_end4`` are read from ``out`` instead of the slot,
 and with one block are neither read nor written again (at world size 1 nothing is
-copied). If the
-step is bad (a source's header in ``record`` is not ``OK``, or the error record holds
-an error), the rows are NaN instead: the host raises for the step later (``ring``),
-and its output must not pass for a result meanwhile.
+copied). If the step is bad (a source's header in ``record`` is not ``OK``, or the
+error record holds an error), the rows are NaN instead: the host raises for the step
+later (``ring``), and its output must not pass for a result meanwhile.
 
 The programs tick ``done`` (acquire-release at GPU scope); the last one resets it,
 copies the error record to ``record[at:]``, releases the slots (it stores the step into

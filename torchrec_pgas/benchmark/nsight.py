@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchrec_pgas.benchmark import workload
+from torchrec_pgas.benchmark import timing, workload
 from torchrec_pgas.benchmark.config import (
     DEFAULT_SCALE,
     Config,
@@ -51,12 +51,13 @@ PAIRS: Dict[str, str] = {
     "r1_row_wise": "row_wise,pgas_row_wise",
     "dlrm": "table_wise+row_wise,pgas_table_wise+pgas_row_wise",
 }
-#: Nsight Compute's metrics the table shows, with their headings.
+#: Nsight Compute's metrics the table shows, with their headings and their base units
+#: (what a CSV without a units' row holds).
 COLUMNS = (
-    ("gpu__time_duration.sum", "us"),
-    ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "DRAM %"),
-    ("dram__bytes_read.sum", "read MB"),
-    ("dram__bytes_write.sum", "written MB"),
+    ("gpu__time_duration.sum", "us", "nsecond"),
+    ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "DRAM %", "%"),
+    ("dram__bytes_read.sum", "read MB", "byte"),
+    ("dram__bytes_write.sum", "written MB", "byte"),
 )
 #: A value in each unit Nsight Compute may print, in the table's (us, MB, %).
 UNITS = {
@@ -96,11 +97,6 @@ def config(args: argparse.Namespace, world: int) -> Config:
     return base
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def profile_steps(
     args: argparse.Namespace, device: torch.device, begin: Callable[[], None], end: Callable[[], None]
 ) -> List[str]:
@@ -119,11 +115,11 @@ def profile_steps(
         forward, train_step = workload.steps(model, kjts, grads)
         for i in range(args.warmup):
             train_step(i)
-        _sync(device)
+        timing.sync(device)
         dist.barrier()
         begin()
         (train_step if args.step == "train" else forward)(args.warmup)
-        _sync(device)
+        timing.sync(device)
         end()
         if rank == 0:
             print(f"profiled one {args.step} step of {sharding}: {cfg.label()}", flush=True)
@@ -141,15 +137,14 @@ def table(text: str) -> str:
     header = rows[0]
     name = header.index("Kernel Name")
     # The row after the header gives each column's unit (its ID empty); without it,
-    # base units (ns, bytes).
+    # base units.
     units = rows[1] if len(rows) > 1 and not rows[1][0].strip() else []
     columns = []
-    for metric, heading in COLUMNS:
+    for metric, heading, base in COLUMNS:
         if metric in header:
             i = header.index(metric)
             unit = units[i] if i < len(units) else ""
-            base = 1e-3 if heading == "us" else 1e-6 if heading.endswith("MB") else 1.0
-            columns.append((i, heading, UNITS[unit] if unit else base))
+            columns.append((i, heading, UNITS[unit or base]))
     lines = [
         "| kernel | " + " | ".join(h for _, h, _ in columns) + " |",
         "|---|" + "---|" * len(columns),

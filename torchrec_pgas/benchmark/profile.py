@@ -87,32 +87,27 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _times(fn: Callable[[int], None], iters: int, device: torch.device) -> Dict[str, float]:
     """Median ms per call: around one call started on an idle device (what the
     benchmark reports), the host's time in the call, and back to back."""
     for i in range(10):
         fn(i)
-    _sync(device)
+    timing.sync(device)
     step, host = [], []
     for i in range(iters):
         dist.barrier()
-        _sync(device)
+        timing.sync(device)
         begin = time.perf_counter()
         fn(i)
         called = time.perf_counter()
-        _sync(device)
+        timing.sync(device)
         step.append((time.perf_counter() - begin) * 1e3)
         host.append((called - begin) * 1e3)
     dist.barrier()
     begin = time.perf_counter()
     for i in range(iters):
         fn(i)
-    _sync(device)
+    timing.sync(device)
     back_to_back = (time.perf_counter() - begin) * 1e3 / iters
     local = torch.tensor([statistics.median(step), statistics.median(host), back_to_back], device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
@@ -127,7 +122,7 @@ def _cprofile(fn: Callable[[int], None], device: torch.device, path: str) -> Non
         profiler.enable()
     for i in range(30):
         fn(i)
-    _sync(device)
+    timing.sync(device)
     if profiler is None:
         return
     profiler.disable()
@@ -143,7 +138,7 @@ def _torch_profile(fn: Callable[[int], None], device: torch.device, path: str) -
     with profile(activities=activities) as prof:
         for i in range(5):
             fn(i)
-        _sync(device)
+        timing.sync(device)
     # Every rank's timeline (chrome://tracing, Perfetto): a step waits for its slowest rank.
     prof.export_chrome_trace(path.replace(".txt", f"_rank{dist.get_rank()}.json"))
     if dist.get_rank() == 0:
@@ -468,7 +463,7 @@ def _device_profile(
     with profile(activities=activities) as prof:
         for i in range(args.replays):
             dist.barrier(group=pg)
-            _sync(device)
+            timing.sync(device)
             with record_function(f"{STEP_MARK} {i}"):
                 profiled.append(_timed_ms(fn, i, device))
     name = f"{sharding}_{cfg.batch_size}_{mode}"

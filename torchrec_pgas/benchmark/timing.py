@@ -9,6 +9,12 @@ import torch
 import torch.distributed as dist
 
 
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (nothing to wait for on CPUs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_times(
     fn: Callable[[int], Any], iters: int, warmup: int, device: torch.device, pg: Optional[dist.ProcessGroup]
 ) -> List[float]:
