@@ -813,6 +813,11 @@ def test_nsight_table_reads_ncu_raw_csv_in_its_units():
     # Without a units' row: base units (ns, bytes).
     base = "\n".join(line for line in NCU_CSV.splitlines() if '"Mbyte"' not in line)
     assert "| `lookup_put_kernel` | 1.5 | 73.6 | 0.0 | 0.0 |" in nsight.table(base)
+    # Nsight Compute 2025.3 (the device machine's) prints times in "ns".
+    short = NCU_CSV.replace('"usecond"', '"ns"')
+    assert "| `lookup_put_kernel` | 1.5 | 73.6 | 1250.5 | 0.3 |" in nsight.table(short)
+    with pytest.raises(ValueError, match="gpu__time_duration.sum is in 'fortnight'"):
+        nsight.table(NCU_CSV.replace('"usecond"', '"fortnight"'))
     with pytest.raises(ValueError, match="Kernel Name"):
         nsight.table("==PROF== nothing profiled\n")
 

@@ -59,12 +59,17 @@ COLUMNS = (
     ("dram__bytes_read.sum", "read MB", "byte"),
     ("dram__bytes_write.sum", "written MB", "byte"),
 )
-#: A value in each unit Nsight Compute may print, in the table's (us, MB, %).
+#: A value in each unit Nsight Compute may print, in the table's (us, MB, %). Times
+#: come as "ns" from Nsight Compute 2025.3, as "nsecond" from older releases.
 UNITS = {
     "nsecond": 1e-3,
     "usecond": 1.0,
     "msecond": 1e3,
     "second": 1e6,
+    "ns": 1e-3,
+    "us": 1.0,
+    "ms": 1e3,
+    "s": 1e6,
     "byte": 1e-6,
     "Kbyte": 1e-3,
     "Mbyte": 1.0,
@@ -143,8 +148,10 @@ def table(text: str) -> str:
     for metric, heading, base in COLUMNS:
         if metric in header:
             i = header.index(metric)
-            unit = units[i] if i < len(units) else ""
-            columns.append((i, heading, UNITS[unit or base]))
+            unit = (units[i] if i < len(units) else "") or base
+            if unit not in UNITS:
+                raise ValueError(f"{metric} is in {unit!r}, a unit this table does not know ({', '.join(UNITS)})")
+            columns.append((i, heading, UNITS[unit]))
     lines = [
         "| kernel | " + " | ".join(h for _, h, _ in columns) + " |",
         "|---|" + "---|" * len(columns),
