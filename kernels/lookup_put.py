@@ -17,8 +17,8 @@ GPU scope: they all run on this GPU), and the last of them (``done`` reaches
 ``done_target``) resets it for the next launch and adds one to the requester's counter
 with release semantics at system scope. Release is cumulative, so that count publishes
 the rows every program of the block stored. Programs of blocks past the requester's
-batch (half the grid with the default headroom) store and tick nothing, rather than
-each pay a system-scope tick.
+batch (half the grid with the default headroom) return once they read the batch size:
+they store and tick nothing.
 
 Compiled with ``PUT_PATH``, a requester without a peer mapping (its ``out_addrs`` entry
 0: another node) is served through NVSHMEM, as in ``rows_put``: pooled rows go to a
@@ -163,9 +163,9 @@ def lookup_put_kernel(
     f = tl.program_id(2)
     S = tl.num_programs(1)
     # For short bags a program's time is its chain of dependent loads: what does not
-    # depend on the source's batch size is read before it and alongside it. Bags past
-    # the batch are empty (``bag_offsets``), so their lengths, not the batch size, mask
-    # the loads of ids and rows, and only the stores wait for it.
+    # depend on the source's batch size is read alongside it. Bags past the batch are
+    # empty (``bag_offsets``), so their lengths, not the batch size, mask the loads of
+    # ids and rows, and only the stores wait for it.
     seg = (f * S + s).to(tl.int64) * batch_capacity
     rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
     in_capacity = rows < batch_capacity
@@ -180,6 +180,15 @@ def lookup_put_kernel(
     mean = tl.load(meta + 3) != 0
     ids_step = tl.load(ids_step_ptr)
     out_step = tl.load(out_step_ptr) + 1
+    slot = mailbox_ptr + (ids_step % DEPTH) * S * slot_bytes + s.to(tl.int64) * slot_bytes
+    batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
+    # Blocks past the batch (half the grid with the default headroom) leave before the
+    # loads of the earlier features' offsets: with short bags, programs that only
+    # waited on those would otherwise hold a place on the multiprocessor as long as
+    # those with rows.
+    block = blk // (COUNT_B // BLOCK_B)
+    if block * COUNT_B >= batch:
+        return
     # Where feature f's ids start in the slot: after the earlier features' ids,
     # FEATURES of them read at once (one at a time, each waited on the last).
     first = seg - seg
@@ -190,8 +199,6 @@ def lookup_put_kernel(
         ends = tl.load(offsets_ptr + g_bag + batch_capacity, mask=earlier, other=0)
         first += tl.sum(ends - tl.load(offsets_ptr + g_bag, mask=earlier, other=0))
     pos = first + start - tl.load(offsets_ptr + seg)
-    slot = mailbox_ptr + (ids_step % DEPTH) * S * slot_bytes + s.to(tl.int64) * slot_bytes
-    batch = tl.load(slot.to(tl.pointer_type(tl.int64), bitcast=True) + 1)
     ids_ptr = (slot + ids_offset).to(tl.pointer_type(tl.int64), bitcast=True) + pos
     w_ptr = (slot + weights_offset).to(tl.pointer_type(tl.float32), bitcast=True) + pos
     # This step's table of the requesters' output slots.
@@ -244,23 +251,21 @@ def lookup_put_kernel(
             put_rows(dst, out_addr + at, pitch * size, dim.to(tl.int64) * size, blk * BLOCK_B, n, pe)
             # Landed before the tick: the count below publishes every program's rows.
             nv.quiet()
-    block = blk // (COUNT_B // BLOCK_B)
-    if block * COUNT_B < batch:
-        # Every thread's stores are issued before the tick.
-        tl.debug_barrier()
-        cell = done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block
-        if last_to_finish(cell, done_target):
-            # Not after a program of the block timed out: the requester must time out
-            # too rather than read rows that were never stored.
-            if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
-                if PUT_PATH:
-                    if tl.load(out_addrs_ptr + s) == 0:
-                        pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
-                        signal_put(tl.load(out_addrs_ptr + 3 * S + s), 1, nv.SIGNAL_ADD, pe)
-                    else:
-                        count_in(cnt_addrs_ptr, s)
+    # Every thread's stores are issued before the tick.
+    tl.debug_barrier()
+    cell = done_ptr + s * tl.cdiv(batch_capacity, COUNT_B) + block
+    if last_to_finish(cell, done_target):
+        # Not after a program of the block timed out: the requester must time out too
+        # rather than read rows that were never stored.
+        if tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") == 0:
+            if PUT_PATH:
+                if tl.load(out_addrs_ptr + s) == 0:
+                    pe = tl.load(out_addrs_ptr + S + s).to(tl.int32)
+                    signal_put(tl.load(out_addrs_ptr + 3 * S + s), 1, nv.SIGNAL_ADD, pe)
                 else:
                     count_in(cnt_addrs_ptr, s)
+            else:
+                count_in(cnt_addrs_ptr, s)
 
 
 _launcher = Launcher(lookup_put_kernel)
