@@ -56,10 +56,13 @@ from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
 
 #: Positions of a program's tile (bags times ids of each bag taken at once), and the
 #: fewest and most ids of each bag taken at once.
-TILE = 1024
+TILE = 512
 MIN_J = 4
 MAX_J = 32
-NUM_WARPS = 4
+#: Two positions per thread: the kernel is a chain of loads whose latency only other
+#: programs hide, and more positions per thread cost registers, hence programs per
+#: multiprocessor, faster than they save loads (CHANGELOG.md has the measurements).
+NUM_WARPS = 8
 #: ``features`` columns: the feature's table's first row in the group, its column in
 #: the gradient, mean pooling (0/1).
 FEATURE_WORDS = 3
