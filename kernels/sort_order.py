@@ -16,12 +16,20 @@ row's offset, dim and optimizer state from it and the key with one cached load, 
 three int64 words per position written here and read there were two fifths of this
 pass's traffic and the update's largest read after the gradient and the weights.
 
+With ``PACKED`` (``update_keys.packs``), ``src`` holds each position's key beside its
+gradient row, and one random access per position reads both (the keys are not read):
+the ids are then the first ``offsets[bags] - offsets[0]`` sorted positions, since the
+keys past them, ``rows``, are the largest.
+
 Program ``p`` takes sorted positions ``p * BLOCK ...``.
 
 Buffers:
     keys:      int32 or int64 [N]  the keys (``update_keys``), ``rows`` past the ids
+               (not read with ``PACKED``)
     order:     int32 or int64 [N]  the stable sort's permutation of the keys' positions
-    src:       int64 [N]  each position's gradient row (``update_keys``)
+    offsets:   int64 [bags + 1]  the group's bag offsets (read with ``PACKED``)
+    src:       int64 [N]  each position's gradient row (``update_keys``); with
+               ``PACKED``, times 2**32 plus its key
     scale:     float32 [N]  each position's gradient scale (read with ``SCALED``)
     tables:    int64 [T, TABLE_WORDS]  per table of the group that has rows, by first row:
                its first row in the group's rows, its offset in the weights (elements),
@@ -60,10 +68,11 @@ def row_place(tables_ptr, table, key, mask, TABLE_WORDS: tl.constexpr):
     return at, dim, state_at
 
 
-@triton.jit(do_not_specialize=["n", "rows", "num_tables"])
+@triton.jit(do_not_specialize=["n", "rows", "num_tables", "bags"])
 def sort_order_kernel(
     keys_ptr,
     order_ptr,
+    offsets_ptr,
     src_ptr,
     scale_ptr,
     tables_ptr,
@@ -74,18 +83,27 @@ def sort_order_kernel(
     n: tl.int64,
     rows: tl.int64,
     num_tables: tl.int64,
+    bags: tl.int64,
     SENTINEL: tl.constexpr,
     TABLE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     there = p < n
     q = tl.load(order_ptr + p, mask=there, other=0)
-    key = tl.load(keys_ptr + q, mask=there, other=0).to(tl.int64)
-    inside = there & (key != rows)
+    if PACKED:
+        inside = there & (p < tl.load(offsets_ptr + bags) - tl.load(offsets_ptr))
+        word = tl.load(src_ptr + q, mask=inside, other=0)
+        key = word & 0xFFFFFFFF
+        src = word >> 32
+    else:
+        key = tl.load(keys_ptr + q, mask=there, other=0).to(tl.int64)
+        inside = there & (key != rows)
+        src = tl.load(src_ptr + q, mask=inside, other=0)
     tl.store(keys_out_ptr + p, tl.where(inside, key, SENTINEL).to(keys_out_ptr.dtype.element_ty), mask=there)
-    tl.store(src_out_ptr + p, tl.load(src_ptr + q, mask=inside, other=0), mask=inside)
+    tl.store(src_out_ptr + p, src, mask=inside)
     if SCALED:
         tl.store(scale_out_ptr + p, tl.load(scale_ptr + q, mask=inside, other=0.0), mask=inside)
     # The last table whose first row is at most the key: ``t`` and the ``size`` tables
@@ -107,6 +125,7 @@ def sort_order(
     keys: torch.Tensor,
     order: torch.Tensor,
     rows: int,
+    offsets: torch.Tensor,
     src: torch.Tensor,
     scale: torch.Tensor,
     tables: torch.Tensor,
@@ -115,9 +134,11 @@ def sort_order(
     scale_out: torch.Tensor,
     table_out: torch.Tensor,
     scaled: bool,
+    packed: bool,
 ) -> None:
     """Launches ``cdiv(N, BLOCK)`` programs (see the module docstring) for a group of
-    ``rows`` rows; ``tables`` has at least one row."""
+    ``rows`` rows; ``tables`` has at least one row; ``packed`` as ``update_keys`` was
+    given it."""
     n = order.numel()
     if n == 0:
         return
@@ -126,6 +147,7 @@ def sort_order(
     _launcher[(cdiv(n, BLOCK),)](
         keys,
         order,
+        offsets,
         src,
         scale,
         tables,
@@ -136,9 +158,11 @@ def sort_order(
         n,
         rows,
         tables.size(0),
+        offsets.numel() - 1,
         SENTINEL=sentinel(keys_out.dtype),
         TABLE_WORDS=TABLE_WORDS,
         SCALED=scaled,
+        PACKED=packed,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

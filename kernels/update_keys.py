@@ -21,7 +21,9 @@ ids) is paid for about a tile of positions either way. Per position, they write:
   half the bytes;
 * where its gradient row starts in the lookup output's gradient (bag row times the
   gradient's pitch plus the feature's column), so that the update reads it with one
-  load;
+  load; with ``PACKED`` (``packs``: int32 keys and gradient rows below 2**31) that
+  offset times 2**32 plus the key, so that ``sort_order`` gathers both with one random
+  access instead of two;
 * with ``SCALED``, its gradient's scale: its per-sample weight (``WEIGHTED``), over its
   bag's length for mean pooling, else 1.
 
@@ -41,8 +43,8 @@ Buffers:
     features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
                in the group's rows, its column in the gradient, mean pooling (0/1)
     keys:      int32 or int64 [N]  out: each position's row key, or ``rows``
-    src:       int64 [N]  out: each position's gradient row (element offset; undefined
-               past the ids)
+    src:       int64 [N]  out: each position's gradient row (element offset; with
+               ``PACKED``, times 2**32 plus the key; undefined past the ids)
     scale:     float32 [N]  out with ``SCALED``: each position's gradient scale
 """
 
@@ -90,6 +92,13 @@ def key_dtype(total_rows: int) -> torch.dtype:
     return torch.int32 if total_rows < sentinel(torch.int32) else torch.int64
 
 
+def packs(keys: torch.dtype, bags_per_feature: int, pitch: int) -> bool:
+    """Whether ``src`` can carry each position's key beside its gradient row (``PACKED``):
+    int32 keys, and gradient rows of ``bags_per_feature`` bags of ``pitch`` elements
+    whose offsets stay below 2**31."""
+    return keys == torch.int32 and bags_per_feature * pitch < 2**31
+
+
 @triton.jit(do_not_specialize=["n", "bags", "bags_per_feature", "pitch", "rows"])
 def update_keys_kernel(
     offsets_ptr,
@@ -107,6 +116,7 @@ def update_keys_kernel(
     FEATURE_WORDS: tl.constexpr,
     SCALED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
@@ -135,9 +145,12 @@ def update_keys_kernel(
     for j0 in range(0, tl.max(length), BLOCK_J):
         p = start[:, None] + j0 + j[None, :]
         valid = ok[:, None] & (j0 + j[None, :] < length[:, None]) & (p < n)
-        ids = tl.load(indices_ptr + p, mask=valid, other=0)
-        tl.store(keys_ptr + p, (first_row[:, None] + ids).to(keys_ptr.dtype.element_ty), mask=valid)
-        tl.store(src_ptr + p, src[:, None] + p * 0, mask=valid)
+        key = first_row[:, None] + tl.load(indices_ptr + p, mask=valid, other=0)
+        tl.store(keys_ptr + p, key.to(keys_ptr.dtype.element_ty), mask=valid)
+        word = src[:, None] + p * 0
+        if PACKED:
+            word = (word << 32) | key
+        tl.store(src_ptr + p, word, mask=valid)
         if SCALED:
             scale = bag_scale[:, None] + tl.zeros([BLOCK_B, BLOCK_J], tl.float32)
             if WEIGHTED:
@@ -161,12 +174,16 @@ def update_keys(
     rows: int,
     scaled: bool,
     weighted: bool,
+    packed: bool,
 ) -> None:
     """Launches ``cdiv(bags, BLOCK_B) + cdiv(N, BLOCK_B * BLOCK_J)`` programs (see the
-    module docstring) for a group of ``rows`` rows (``rows`` fits ``keys``' dtype)."""
+    module docstring) for a group of ``rows`` rows (``rows`` fits ``keys``' dtype);
+    ``packed`` must be ``packs``' answer or False."""
     n, bags = indices.numel(), offsets.numel() - 1
     if n == 0:
         return
+    if packed and not packs(keys.dtype, bags_per_feature, pitch):
+        raise ValueError(f"{keys.dtype} keys and gradient rows of {bags_per_feature} x {pitch} do not pack")
     block_b, block_j = tile_shape(n, bags)
     _launcher[(cdiv(bags, block_b) + cdiv(n, block_b * block_j),)](
         offsets,
@@ -184,6 +201,7 @@ def update_keys(
         FEATURE_WORDS=FEATURE_WORDS,
         SCALED=scaled,
         WEIGHTED=weighted,
+        PACKED=packed,
         BLOCK_B=block_b,
         BLOCK_J=block_j,
         num_warps=NUM_WARPS,

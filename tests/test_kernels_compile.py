@@ -377,10 +377,12 @@ CASES = {
                 "FEATURE_WORDS": FEATURE_WORDS,
                 "SCALED": scaled,
                 "WEIGHTED": w,
+                "PACKED": packed,
                 "BLOCK_B": 32,
                 "BLOCK_J": 32,
             }
             for scaled, w in ((False, False), (True, False), (True, True))
+            for packed in (False, True)
         ],
     ),
     "sort_order": (
@@ -388,6 +390,7 @@ CASES = {
         {
             "keys_ptr": "*i32",
             "order_ptr": "*i32",
+            "offsets_ptr": "*i64",
             "src_ptr": "*i64",
             "scale_ptr": "*fp32",
             "tables_ptr": "*i64",
@@ -401,9 +404,11 @@ CASES = {
                 "SENTINEL": 2**31 - 1,
                 "TABLE_WORDS": TABLE_WORDS,
                 "SCALED": scaled,
+                "PACKED": packed,
                 "BLOCK": 1024,
             }
             for scaled in (False, True)
+            for packed in (False, True)
         ],
     ),
     "step_verdict": (
@@ -494,13 +499,13 @@ CASES = {
 CASES["update_keys_int64_keys"] = (
     update_keys_kernel,
     {**CASES["update_keys"][1], "keys_ptr": "*i64"},
-    CASES["update_keys"][2][-1:],
+    [c for c in CASES["update_keys"][2] if c["SCALED"] and c["WEIGHTED"] and not c["PACKED"]],
 )
 for _order in ("i32", "i64"):
     CASES[f"sort_order_int64_keys_{_order}_order"] = (
         sort_order_kernel,
         {**CASES["sort_order"][1], "keys_ptr": "*i64", "keys_out_ptr": "*i64", "order_ptr": f"*{_order}"},
-        [{**CASES["sort_order"][2][-1], "SENTINEL": 2**63 - 1}],
+        [{**CASES["sort_order"][2][-2], "SENTINEL": 2**63 - 1}],
     )
 for _table, _out in (("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
     CASES[f"lookup_put_{_table}_to_{_out}"] = (
@@ -719,7 +724,7 @@ def test_update_keys_tiles_keep_many_programs_per_multiprocessor():
     shapes = sorted({update_keys.tile_shape(ids, 1000) for ids in (1000, 3000, 7000, 20000, 100000)})
     assert len(shapes) >= 3, shapes
     for (block_b, block_j), (scaled, weighted) in itertools.product(shapes, ((False, False), (True, True))):
-        chosen = _variant("update_keys", SCALED=scaled, WEIGHTED=weighted)
+        chosen = _variant("update_keys", SCALED=scaled, WEIGHTED=weighted, PACKED=scaled)
         ptx = _ptx("update_keys", {**chosen, "BLOCK_B": block_b, "BLOCK_J": block_j}, update_keys.NUM_WARPS)
         assert _registers(ptx) <= 64, (block_b, block_j, scaled)
 

@@ -1090,8 +1090,10 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         verdict = torch.empty(1, dtype=torch.int64)
         err = err.clone()
         total_rows = int(tbe.total_hash_size)
+        packed = k.update_keys.packs(key_dtype, B, pitch)
+        assert packed == (seed != 2)
         k.update_keys.update_keys(
-            offsets, indices, psw_in, features, keys, src, scale, B, pitch, total_rows, scaled, weighted
+            offsets, indices, psw_in, features, keys, src, scale, B, pitch, total_rows, scaled, weighted, packed
         )  # fmt: skip
         k.step_verdict.step_verdict(record, err, verdict, S)
         if err_after_verdict is not None:
@@ -1104,7 +1106,8 @@ def test_row_update_matches_fbgemm_fused_backward(k, seed, wide, optimizer, weig
         sorted_table = torch.full((n,), -(2**30), dtype=torch.int32)
         sorted_scale = torch.full_like(scale, float("nan"))
         k.sort_order.sort_order(
-            keys, order, total_rows, src, scale, tables, sorted_keys, sorted_src, sorted_scale, sorted_table, scaled
+            keys, order, total_rows, offsets, src, scale, tables, sorted_keys, sorted_src, sorted_scale, sorted_table,
+            scaled, packed,
         )  # fmt: skip
         src, scale = sorted_src, sorted_scale if scaled else scale
         partial = torch.full(k.row_update.partial_shape(n, max(dims)), float("nan"))
@@ -1190,13 +1193,21 @@ def _as_on_gpu(tbe):
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted,mean", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("tile", [(8, 16), (32, 4)])
-def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, tile, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, tile, packed, monkeypatch):
     """``update_keys`` against a Python reference, position by position: bags of 0 to 70
     ids over several programs (8 bags each, 16 ids at a time; or 32 bags, 4 ids at a time,
     as a tile shaped for one-hot features takes them), two features sharing a table, a
     padded capacity past the ids (the group's row count as their key; with int64 keys, a
     count past int32's and offsets that start past 0 too), where nothing but the key is
-    written."""
+    written; ``packed`` (int32 keys only), each gradient row times 2**32 plus the key."""
+    if packed and key_dtype != torch.int32:
+        with pytest.raises(ValueError, match="do not pack"):
+            k.update_keys.update_keys(*[torch.zeros(2, dtype=torch.int64)] * 3, torch.zeros(1, 3, dtype=torch.int64),
+                torch.zeros(2, dtype=key_dtype), torch.zeros(2, dtype=torch.int64), torch.zeros(2), 1, 4, 2**40,
+                False, False, True)  # fmt: skip
+        assert not k.update_keys.packs(torch.int32, 2**16, 2**15), "gradient rows past 2**31 do not pack"
+        return
     block_b, block_j = tile
     monkeypatch.setattr(k.update_keys, "TILE", block_b * block_j)
     monkeypatch.setattr(k.update_keys, "MIN_J", block_j)
@@ -1216,9 +1227,10 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, tile, 
     scale = torch.full((n,), float("nan"))
     scaled = weighted or mean
     rows = 200 if key_dtype == torch.int32 else 2**40
+    assert k.update_keys.packs(key_dtype, B, pitch) == (key_dtype == torch.int32)
     k.update_keys.update_keys(
         offsets, indices, weights if weighted else torch.empty(1), features, keys, src, scale, B, pitch, rows,
-        scaled, weighted,
+        scaled, weighted, packed,
     )  # fmt: skip
     no_id = torch.cat([torch.arange(first_id), torch.arange(total, n)])
     assert bool((keys[no_id] == rows).all())
@@ -1229,7 +1241,8 @@ def test_update_keys_of_long_and_empty_bags(k, weighted, mean, key_dtype, tile, 
         lo, hi = int(offsets[bag]), int(offsets[bag + 1])
         for p in range(lo, hi):
             i = int(indices[p])
-            assert (int(keys[p]), int(src[p])) == (first + i, row * pitch + col), (bag, p)
+            word = ((row * pitch + col) << 32) + first + i if packed else row * pitch + col
+            assert (int(keys[p]), int(src[p])) == (first + i, word), (bag, p)
             if scaled:
                 expected = float(weights[p]) if weighted else float(torch.tensor(1.0) / (hi - lo))
                 assert float(scale[p]) == expected, (bag, p)
@@ -1260,7 +1273,8 @@ def _row_places(tables, table_index, keys, out, TABLE_WORDS: tl.constexpr):
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 5, 37, 64])
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
-def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_sort_order_equals_indexing(k, n, scaled, key_dtype, packed, monkeypatch):
     """``sort_order`` puts the keys and the per-position arrays in a stable sort's order
     (``sort_positions``' int32 one, or for int64 keys and even ``n`` ``torch.sort``'s
     int64 one), as
@@ -1268,7 +1282,12 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     last table whose first row is at most the key, of ``1 + n % 5`` tables; with the key,
     it gives the row's place, ``row_place``), over blocks (of 16 here) with a partial
     last one; positions past the ids (key ``rows``, about a third here, sorted last) get
-    the sentinel key and nothing else; the scale is left alone unless ``scaled``."""
+    the sentinel key and nothing else; the scale is left alone unless ``scaled``.
+    ``packed`` (int32 keys): the keys and gradient rows come from the packed words alone
+    (the key array and the words past the ids are poison), the ids counted by the
+    offsets."""
+    if packed and key_dtype != torch.int32:
+        pytest.skip("only int32 keys pack")
     from torchrec_pgas.sharding.fused_update import sort_positions
 
     monkeypatch.setattr(k.sort_order, "BLOCK", 16)
@@ -1288,11 +1307,17 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, monkeypatch):
     else:
         order = torch.sort(keys, stable=True)[1]
     ids = int((keys != total).sum())
-    src = torch.randint(-(2**40), 2**40, (n,), generator=g)
+    src = torch.randint(0, 2**31, (n,), generator=g) if packed else torch.randint(-(2**40), 2**40, (n,), generator=g)
     scale = torch.rand(n, generator=g)
     keys_out, src_out = torch.full_like(keys, -1), torch.full_like(src, -1)
     table_out, scale_out = torch.full((n,), -1, dtype=torch.int32), torch.full((n,), float("nan"))
-    k.sort_order.sort_order(keys, order, total, src, scale, tables, keys_out, src_out, scale_out, table_out, scaled)
+    # Offsets that start past 0 (bag sizes do not matter here, only the ids' count).
+    offsets = torch.tensor([5, 5 + ids // 2, 5 + ids])
+    words = torch.where(keys != total, (src << 32) | keys.long(), -(2**62))
+    k.sort_order.sort_order(
+        torch.full_like(keys, -3) if packed else keys, order, total, offsets, words if packed else src, scale, tables,
+        keys_out, src_out, scale_out, table_out, scaled, packed,
+    )  # fmt: skip
     expected = keys[order.long()]
     assert torch.equal(keys_out[:ids], expected[:ids])
     assert bool((keys_out[ids:] == k.update_keys.sentinel(key_dtype)).all())

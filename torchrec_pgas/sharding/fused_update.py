@@ -42,7 +42,7 @@ from torchrec_pgas.kernels.run_groups import run_groups, sums_shape
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
-from torchrec_pgas.kernels.update_keys import key_dtype, update_keys
+from torchrec_pgas.kernels.update_keys import key_dtype, packs, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
 #: FBGEMM's weight decay modes the update applies: none, L2, decoupled.
@@ -229,6 +229,7 @@ class FusedUpdate:
         for group, kjt in zip(groups, kjts):
             indices, offsets = kjt.values(), kjt.offsets()
             n, scaled, dev = indices.numel(), self._scaled(group), indices.device
+            packed = packs(group.keys, bags_per_feature, pitch)
             keys = torch.empty(n, dtype=group.keys, device=dev)
             src = torch.empty_like(indices)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
@@ -245,6 +246,7 @@ class FusedUpdate:
                 group.rows,
                 scaled,
                 self._weighted,
+                packed,
             )
             order = sort_positions(keys, group.rows)
             ids = SortedIds(
@@ -257,6 +259,7 @@ class FusedUpdate:
                 keys,
                 order,
                 group.rows,
+                offsets,
                 src,
                 scale,
                 group.tables,
@@ -265,6 +268,7 @@ class FusedUpdate:
                 ids.scale,
                 ids.table_index,
                 scaled,
+                packed,
             )
             prepared.append(ids)
         return prepared
