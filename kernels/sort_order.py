@@ -92,13 +92,15 @@ def sort_order_kernel(
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     there = p < n
-    q = tl.load(order_ptr + p, mask=there, other=0)
     if PACKED:
+        # Past the ids not even the order is read (half the capacity by default).
         inside = there & (p < tl.load(offsets_ptr + bags) - tl.load(offsets_ptr))
+        q = tl.load(order_ptr + p, mask=inside, other=0)
         word = tl.load(src_ptr + q, mask=inside, other=0)
         key = word & 0xFFFFFFFF
         src = word >> 32
     else:
+        q = tl.load(order_ptr + p, mask=there, other=0)
         key = tl.load(keys_ptr + q, mask=there, other=0).to(tl.int64)
         inside = there & (key != rows)
         src = tl.load(src_ptr + q, mask=inside, other=0)
