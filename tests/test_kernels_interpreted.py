@@ -14,7 +14,7 @@ import os
 import random
 import subprocess
 import sys
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -540,13 +540,20 @@ def test_row_block_routing_reports_the_checked_ids(k, seed, problem):
 
 
 def _owner_slots(
-    g: torch.Generator, rnd: random.Random, S: int, F: int, weighted: bool = True, max_batch: int = 6, max_len: int = 3
+    g: torch.Generator,
+    rnd: random.Random,
+    S: int,
+    F: int,
+    weighted: bool = True,
+    max_batch: int = 6,
+    max_len: int = 3,
+    batches: Optional[List[int]] = None,
 ):
     """The ids slots of one step at an owner of ``F`` features, from ``S`` sources with
-    random batch sizes and up to ``max_len`` ids per bag (one source, at random,
-    reporting a bad batch), and what was sent: per source, its lengths ``[F, batch]``,
-    ids, weights and whether it is OK."""
-    batches = [rnd.randint(0, max_batch) for _ in range(S)]
+    random batch sizes (or ``batches``) and up to ``max_len`` ids per bag (one source, at
+    random, reporting a bad batch), and what was sent: per source, its lengths
+    ``[F, batch]``, ids, weights and whether it is OK."""
+    batches = batches or [rnd.randint(0, max_batch) for _ in range(S)]
     cap = max(batches + [1]) + rnd.randint(0, 2)
     layout = IdsSlotLayout(max_features=F + rnd.randint(0, 2), batch_capacity=cap, ids_capacity=(max_len + 1) * F * cap)
     slots = torch.zeros(S * layout.nbytes, dtype=torch.uint8)
@@ -840,21 +847,28 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
 
 
 @_interpreted
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, monkeypatch):
     """``lookup_put`` against a sequential fp32 pooling of every bag: exact without
     per-sample weights, and to rounding with them (the interpreter has no fused
-    multiply-add); twice, as two steps, so the row blocks are counted per step."""
+    multiply-add); twice, as two steps, so the row blocks are counted per step. Seed 4
+    pins the sources' batches at the edges of a counted block of rows: none, exactly
+    one block (the next block's programs return at once) and one row more."""
     # Programs count the earlier features' ids a few at a time too.
-    monkeypatch.setattr(k.lookup_put, "MAX_FEATURES", [1, 1, 32, 2][seed])
+    monkeypatch.setattr(k.lookup_put, "MAX_FEATURES", [1, 1, 32, 2, 1][seed])
     g = torch.Generator().manual_seed(300 + seed)
     rnd = random.Random(seed)
     S, F = rnd.randint(1, 3), rnd.randint(1, 3)
+    count_b = k.lookup_put.COUNT_B
+    pinned = [0, count_b, count_b + 1] if seed == 4 else None
+    S = len(pinned) if pinned else S
     weighted = seed % 2 == 1
     # Several blocks of counted rows, and outputs in the tables' dtype or in fp32.
     # Bags of several groups of ROWS ids, and empty ones.
-    slots, layout, batches, sent = _owner_slots(g, rnd, S, F, weighted, max_batch=70, max_len=3 * k.lookup_put.ROWS + 1)
+    slots, layout, batches, sent = _owner_slots(
+        g, rnd, S, F, weighted, max_batch=70, max_len=3 * k.lookup_put.ROWS + 1, batches=pinned
+    )
     # (bf16 outputs stay out: the interpreter truncates fp32 to bf16, GPUs round to nearest.)
     out_dtype = dtype if seed < 2 and dtype != torch.bfloat16 else torch.float32
     cap = layout.batch_capacity
@@ -1257,6 +1271,52 @@ def test_update_keys_tile_follows_ids_per_bag(k):
     assert uk.tile_shape(100 * 1000, 1000) == (uk.TILE // uk.MAX_J, uk.MAX_J)
     assert uk.tile_shape(0, 0) == (uk.TILE // uk.MIN_J, uk.MIN_J)
     assert uk.tile_shape(100000, 1) == (uk.TILE // uk.MAX_J, uk.MAX_J)
+
+
+@_interpreted
+@pytest.mark.parametrize("scaled", [False, True])
+def test_packed_words_sort_as_the_keys_and_gradient_rows_they_hold(k, scaled):
+    """``update_keys`` then ``sort_order`` as ``FusedUpdate.prepare`` runs them, with and
+    without packing: the same sorted keys, gradient rows, scales and tables, for
+    offsets that start past 0 (positions before them and past the ids keyed ``rows``)
+    and gradient rows up to the packing bound (2**31 - 1)."""
+    from torchrec_pgas.sharding.fused_update import sort_positions
+
+    g = torch.Generator().manual_seed(11 + scaled)
+    F, B, rows = 3, 7, 160
+    pitch = (2**31 - 1) // B
+    assert k.update_keys.packs(torch.int32, B, pitch) and not k.update_keys.packs(torch.int32, B, pitch + 1)
+    # Per feature: its table's first row, its column (the last ends at the pitch), mean.
+    features = torch.tensor([[0, 0, int(scaled)], [50, pitch - 12, 0], [100, pitch // 2, int(scaled)]])
+    tables = torch.tensor([[0, 0, 4, 0], [50, 200, 8, 50], [100, 600, 4, 100]])
+    lengths = torch.randint(0, 6, (F * B,), generator=g)
+    offsets = _offsets(lengths) + 6
+    n = int(offsets[-1]) + 9
+    indices = torch.randint(0, 50, (n,), generator=g)
+    weights = torch.rand(n, generator=g)
+    outs = []
+    for packed in (False, True):
+        keys, src = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
+        scale = torch.empty(n) if scaled else torch.empty(1)
+        k.update_keys.update_keys(
+            offsets, indices, weights, features, keys, src, scale, B, pitch, rows, scaled, False, packed
+        )  # fmt: skip
+        order = sort_positions(keys, rows)
+        out = (
+            torch.full((n,), -1, dtype=torch.int32),
+            torch.full((n,), -1, dtype=torch.int64),
+            torch.full((n,), float("nan")) if scaled else scale,
+            torch.full((n,), -1, dtype=torch.int32),
+        )
+        k.sort_order.sort_order(keys, order, rows, offsets, src, scale, tables, *out, scaled, packed)
+        outs.append(out)
+    ids = int(offsets[-1] - offsets[0])
+    (keys_out, src_out, scale_out, table_out), packed = outs
+    assert torch.equal(keys_out, packed[0]) and torch.equal(src_out, packed[1]) and torch.equal(table_out, packed[3])
+    if scaled:
+        assert torch.equal(scale_out[:ids], packed[2][:ids]) and bool(packed[2][ids:].isnan().all())
+    assert torch.equal(keys_out[:ids], torch.sort(keys_out[:ids])[0]) and bool((keys_out[ids:] == 2**31 - 1).all())
+    assert int(src_out[:ids].max()) > 2**31 - pitch, "gradient rows near the bound unpack as they were"
 
 
 @triton.jit
