@@ -69,12 +69,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def rows_adjacent(t: torch.Tensor) -> bool:
+    """Whether each row of ``t`` (2-D) has its elements adjacent, whatever the stride
+    between rows: what a kernel reading rows at their row stride needs."""
+    return t.size(1) <= 1 or t.stride(1) == 1
+
+
 def strided_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D) as rows a kernel reads at its row stride: ``t`` itself where each
-    row's elements are adjacent, whatever the stride between rows (a column slice of a
-    wider tensor, as the backward of ``torch.cat`` hands each sharding its part of a
-    module's gradient), else a contiguous copy."""
-    return t if t.size(1) <= 1 or t.stride(1) == 1 else t.contiguous()
+    """``t`` (2-D) as rows a kernel reads at its row stride: ``t`` itself where its rows'
+    elements are adjacent (``rows_adjacent``; also a column slice of a wider tensor, as
+    the backward of ``torch.cat`` hands each sharding its part of a module's gradient),
+    else a contiguous copy."""
+    return t if rows_adjacent(t) else t.contiguous()
 
 
 def next_power_of_2(n: int) -> int:

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2
+from torchrec_pgas.kernels.launch import Launcher, cdiv, next_power_of_2, rows_adjacent
 from torchrec_pgas.kernels.row_step import StepRule, hyper_parameters, row_step
 from torchrec_pgas.kernels.sort_order import TABLE_WORDS, row_place
 from torchrec_pgas.kernels.update_keys import sentinel
@@ -237,7 +237,7 @@ def row_update(
     n = keys.numel()
     if n == 0:
         return
-    if grad.size(1) > 1 and grad.stride(1) != 1:
+    if not rows_adjacent(grad):
         raise ValueError(f"the gradient's rows must be contiguous, got strides {grad.stride()}")
     block = block_positions(max_dim)
     stride = grad.stride(0)
