@@ -104,6 +104,13 @@ def _models(world_size, tables, weighted, seed, fused_params=None):
 # ------------------------------------------------------------------- forward
 
 
+def _joined(kt) -> bool:
+    """Whether the module's output came out whole, each sharding's columns put in place
+    (``dists.pooled_joined``), not from TorchRec's ``torch.cat`` of their outputs."""
+    fn = kt.values().grad_fn
+    return fn is not None and "ExchangePooledJoined" in fn.name()
+
+
 def _forward(rank, world_size, order, pooling, weighted):
     counter = _TorchRecInputDists()
     for seed in range(2):
@@ -118,6 +125,7 @@ def _forward(rank, world_size, order, pooling, weighted):
             kjt = in_order(random_kjt(tables, batch_size, 1000 * seed + 10 * step + rank, weighted), keys)
             with torch.no_grad() if step == 2 else torch.enable_grad():
                 out = pgas(kjt)
+                assert _joined(out) == (step != 2), (seed, step)
                 assert_same_kt(out, forced(kjt), exact=True)
                 if pooling == PoolingType.SUM:
                     # TorchRec's row_wise mean divides every column of a module that has
@@ -132,6 +140,7 @@ def _forward(rank, world_size, order, pooling, weighted):
         ctx = ebc.create_context()
         piped = ebc.compute_and_output_dist(ctx, ebc.input_dist(ctx, kjt).wait().wait()).wait()
         assert_same_kt(piped, forced(kjt), exact=True)
+        assert _joined(piped), "the pipelines' way in joins the output in place too"
         assert ebc._pgas_direct is True and len(ebc._embedding_shardings) == 2
         assert counter.of(pgas) == 0, "the direct path took TorchRec's input dist"
         assert counter.of(forced) == 5  # ... which this count would have shown
@@ -164,7 +173,9 @@ def _train(rank, world_size, optimizer):
         outs = []
         for model in (pgas, forced, torchrec):
             g = torch.Generator().manual_seed(step)
-            kt = model(kjt).to_dict()
+            kt = model(kjt)
+            assert _joined(kt) == (model is pgas)
+            kt = kt.to_dict()
             sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt)).backward()
             outs.append({k: v.detach() for k, v in kt.items()})
         for k in outs[0]:

@@ -7,7 +7,7 @@ A step goes send -> receive (a ``LookupInput`` with the step's route) -> lookup 
 gradients (the route is kept by autograd).
 """
 
-from typing import Any, Optional, TypeVar
+from typing import Any, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
@@ -111,6 +111,77 @@ class _ExchangePooled(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _ExchangePooledJoined(torch.autograd.Function):
+    """``_ExchangePooled`` of every sharding of a module at once, each into its columns
+    of one output (its route's ``dest``), which is returned: the module's output
+    without TorchRec's ``torch.cat`` of its shardings' outputs, which copies all of it.
+    Backward gives each sharding its columns of the gradient as views, as
+    ``torch.cat``'s backward does, in sharding order on every rank."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        joined: torch.Tensor,
+        anchor: torch.Tensor,
+        exchanges: Sequence[Exchange],
+        routes: Sequence[Any],
+        columns: Sequence[Tuple[int, int]],
+        *local_embs: torch.Tensor,
+    ) -> torch.Tensor:
+        _exchange_into(exchanges, routes, local_embs)
+        ctx.exchanges, ctx.routes, ctx.columns = exchanges, routes, columns
+        ctx.shapes = [e.shape for e in local_embs]
+        ctx.mark_dirty(joined)
+        return joined
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        divide = get_gradient_division()
+        grads = []
+        for exchange, route, (begin, end), shape in zip(ctx.exchanges, ctx.routes, ctx.columns, ctx.shapes):
+            grad = grad_out[:, begin:end]
+            if route.divisor is not None:
+                grad = grad / route.divisor
+            grads.append(exchange.exchange_grads(grad, route, shape, divide))
+        return (None, None, None, None, None, *grads)
+
+
+def _exchange_into(exchanges: Sequence[Exchange], routes: Sequence[Any], local_embs: Sequence[torch.Tensor]) -> None:
+    """Each sharding's output exchange, into its route's ``dest``, then divided there
+    by the route's ``divisor`` (row-wise mean pooling)."""
+    for exchange, route, embs in zip(exchanges, routes, local_embs):
+        out = exchange.exchange_pooled(embs, route)
+        if route.divisor is not None:
+            out.div_(route.divisor)
+        # The route lives on with the graph: not a view of the output.
+        route.dest = None
+
+
+def pooled_joined(
+    dists: Sequence["PgasPooledEmbeddingDist"],
+    lookups: Sequence[PooledLookup],
+    joined: torch.Tensor,
+    columns: Sequence[Tuple[int, int]],
+) -> torch.Tensor:
+    """A module's output, ``joined``: each sharding's rows (``dists[i]``'s of
+    ``lookups[i]``) in its ``columns[i]``. Each lookup's route must already have its
+    slice of ``joined`` as ``dest`` (set before the lookup: ``lookup_put`` stores this
+    rank's own rows there)."""
+    exchanges: List[Exchange] = []
+    for d, lookup in zip(dists, lookups):
+        d.check_lookup(lookup)
+        exchanges.append(d._exchange)
+    routes = [lookup.route for lookup in lookups]
+    embs = [lookup.embs for lookup in lookups]
+    if not torch.is_grad_enabled():
+        _exchange_into(exchanges, routes, embs)
+        return joined
+    # As for one sharding: every rank runs the backward exchanges, also one whose
+    # lookups have nothing to differentiate.
+    anchor = torch.empty(0, requires_grad=True)
+    return _ExchangePooledJoined.apply(joined, anchor, exchanges, routes, columns, *embs)
+
+
 class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]):
     """Puts pooled rows (or partial sums) to the requesters; returns this rank's
     pooled embeddings, ``[batch, sum of dims]``."""
@@ -127,13 +198,17 @@ class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, Pooled
     ) -> Awaitable[torch.Tensor]:
         return _Done(self.pooled(local_embs))
 
-    def pooled(self, lookup: PooledLookup) -> torch.Tensor:
-        """``forward``'s output without the awaitable."""
+    def check_lookup(self, lookup: Any) -> None:
+        """Refuses anything but the PGAS lookup's output."""
         if not isinstance(lookup, PooledLookup):
             raise PgasError(
                 f"{self._name}: the output dist was given a {type(lookup).__name__}, not the "
                 f"PGAS lookup's output (PooledLookup)"
             )
+
+    def pooled(self, lookup: PooledLookup) -> torch.Tensor:
+        """``forward``'s output without the awaitable."""
+        self.check_lookup(lookup)
         embs, route = lookup
         if not torch.is_grad_enabled():
             out = self._exchange.exchange_pooled(embs, route)
