@@ -146,6 +146,18 @@ def _forward(rank, world_size, order, pooling, weighted):
         assert counter.of(forced) == 5  # ... which this count would have shown
 
 
+def test_an_output_destination_that_is_not_the_output_is_refused():
+    """A step's ``dest`` must be the sharding's output exactly (its rows and columns, its
+    dtype, contiguous elements): anything else is refused, naming the sharding."""
+    from torchrec_pgas.sharding.exchange import check_dest
+
+    for good in (torch.zeros(3, 4), torch.zeros(3, 12)[:, 4:8], torch.zeros(0, 4)):
+        check_dest(good, (good.shape[0], 4), torch.float32, "s")
+    for bad in (torch.zeros(3, 5), torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.float16), torch.zeros(4, 3).t()):
+        with pytest.raises(ValueError, match="s: the step's output destination"):
+            check_dest(bad, (3, 4), torch.float32, "s")
+
+
 @pytest.mark.parametrize(
     "world_size,order,pooling,weighted",
     [
