@@ -180,7 +180,8 @@ def output_take_kernel(
     cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (r < batch)[:, None] & (cols < pitch)[None, :]
     at_rc = r.to(tl.int64)[:, None] * pitch + cols[None, :]
-    at_out = r.to(tl.int64)[:, None] * out_pitch + cols[None, :]
+    # A multiple of 4 elements (``check_own``), told so whatever its specialization.
+    at_out = tl.multiple_of(r.to(tl.int64) * out_pitch, 4)[:, None] + cols[None, :]
     # Given in 4-element units (FBGEMM's dims are multiples of 4): the masks then keep
     # 4-element accesses.
     own_cols = ((cols >= own_begin4 * 4) & (cols < own_end4 * 4))[None, :]

@@ -114,7 +114,9 @@ def rows_put_kernel(
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
             src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
-            dst_rows = rows.to(tl.int64) * tl.where(s == me, own_pitch, pitch) + col
+            # Multiples of 4 elements (``check_own``), told so whatever the row strides'
+            # specialization: the stores then move 4 elements at once.
+            dst_rows = tl.multiple_of(rows.to(tl.int64) * tl.where(s == me, own_pitch, pitch) + col, 4)
             for d0 in range(0, dim, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 mask = row_ok[:, None] & (cols < dim)[None, :]

@@ -22,7 +22,7 @@ from dist_utils import (
     shard,
     torchrec_tw,
 )
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed import embeddingbag
@@ -106,9 +106,9 @@ def _models(world_size, tables, weighted, seed, fused_params=None):
 
 def _joined(kt) -> bool:
     """Whether the module's output came out whole, each sharding's columns put in place
-    (``dists.pooled_joined``), not from TorchRec's ``torch.cat`` of their outputs."""
+    (``dists.joined_output``), not from TorchRec's ``torch.cat`` of their outputs."""
     fn = kt.values().grad_fn
-    return fn is not None and "ExchangePooledJoined" in fn.name()
+    return fn is not None and "JoinedOutput" in fn.name()
 
 
 def _forward(rank, world_size, order, pooling, weighted):
@@ -144,6 +144,26 @@ def _forward(rank, world_size, order, pooling, weighted):
         assert ebc._pgas_direct is True and len(ebc._embedding_shardings) == 2
         assert counter.of(pgas) == 0, "the direct path took TorchRec's input dist"
         assert counter.of(forced) == 5  # ... which this count would have shown
+
+
+def _half_outputs(rank, world_size):
+    tables = _tables(world_size, 3, PoolingType.MEAN)
+    ref, pgas, forced, torchrec = _models(world_size, tables, False, 3, fused_params={"output_dtype": SparseType.FP16})
+    keys = [f for t in tables for f in t.feature_names]
+    for step in range(3):
+        kjt = in_order(random_kjt(tables, BATCH_SIZES[world_size][rank] + step, 10 * step + rank), keys)
+        with torch.no_grad() if step == 2 else torch.enable_grad():
+            out, theirs = pgas(kjt), torchrec(kjt)
+            assert not _joined(out), "fp16 outputs divided in float32 are concatenated"
+            assert out.values().dtype == theirs.values().dtype == torch.float32
+            assert_same_kt(out, forced(kjt), exact=True)
+
+
+def test_half_outputs_with_row_wise_mean_keep_torchrec_dtype():
+    """fp16 outputs of a module with mean-pooled ``pgas_row_wise`` tables: the division
+    by float32 divisors promotes that sharding's output, and TorchRec's ``torch.cat``
+    the module's (as TorchRec's own mean does), so the output is not joined in place."""
+    run_ranks(_half_outputs, 2, deadline_s=300)
 
 
 def test_an_output_destination_that_is_not_the_output_is_refused():

@@ -42,7 +42,7 @@ from torchrec_pgas.sharding.batch_checks import (
     send_problem,
     torchrec_batch_problem,
 )
-from torchrec_pgas.sharding.dists import pooled_joined, send_ids
+from torchrec_pgas.sharding.dists import joined_output, send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, feature_rows, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
@@ -201,15 +201,20 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         TorchRec."""
         joined = self._joined_output(self._pgas_exchanges, batches)
         pooled, looked_up = [], []
+        # Each sharding's output right after its lookup, as TorchRec's steps run them:
+        # a step that raises in one sharding's output (checked now) then leaves the
+        # later shardings' lookups unrun, and so the step is dropped alike everywhere.
         for lookup, output_dist, batch in zip(self._lookups, self._output_dists, batches):
             embs = lookup(batch)
             lookup.wait_for_forward()
             if joined is None:
                 pooled.append(NoWait(output_dist.pooled(embs)))
+            else:
+                output_dist.pooled_into(embs)
             looked_up.append(embs)
         if joined is not None:
             out, columns = joined
-            pooled = [NoWait(pooled_joined(self._output_dists, looked_up, out, columns))]
+            pooled = [NoWait(joined_output(self._output_dists, looked_up, out, columns))]
         return EmbeddingBagCollectionAwaitable(
             awaitables=pooled,
             embedding_dims=self._embedding_dims,
@@ -224,10 +229,11 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """The module's output of a step of several shardings, and each one's columns
         in it: each batch's route gets its slice as ``dest``, which its lookup and
         output exchange fill, so that no ``torch.cat`` copies the module's output
-        (``dists.pooled_joined``). None where the shardings' outputs are kept apart
+        (``dists.joined_output``). None where the shardings' outputs are kept apart
         for TorchRec's ``torch.cat``: one sharding, or outputs that differ in rows,
-        dtype or device (a bad batch's), or columns that do not start at multiples of
-        4 (the put kernels store 4 elements at once)."""
+        dtype or device (a bad batch's), columns that do not start at multiples of 4
+        (the put kernels store 4 elements at once), or outputs narrower than the
+        float32 of a row-wise mean's division."""
         if len(batches) < 2:
             return None
         specs = [x.output_spec(b.route) for x, b in zip(exchanges, batches)]
@@ -235,6 +241,10 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if any((s.rows, s.dtype, s.device) != (first.rows, first.dtype, first.device) for s in specs):
             return None
         if any(s.dim % 4 for s in specs) or sum(s.dim for s in specs) != sum(self._embedding_dims):
+            return None
+        # Row-wise mean divides by float32 divisors: a narrower output is promoted,
+        # which ``torch.cat`` then does for the whole output (the plan's, every rank's).
+        if any(s.divided for s in specs) and torch.promote_types(first.dtype, torch.float32) != first.dtype:
             return None
         out = torch.empty(first.rows, sum(s.dim for s in specs), dtype=first.dtype, device=first.device)
         columns, begin = [], 0

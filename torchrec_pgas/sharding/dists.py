@@ -111,12 +111,15 @@ class _ExchangePooled(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _ExchangePooledJoined(torch.autograd.Function):
-    """``_ExchangePooled`` of every sharding of a module at once, each into its columns
-    of one output (its route's ``dest``), which is returned: the module's output
-    without TorchRec's ``torch.cat`` of its shardings' outputs, which copies all of it.
-    Backward gives each sharding its columns of the gradient as views, as
-    ``torch.cat``'s backward does, in sharding order on every rank."""
+class _JoinedOutput(torch.autograd.Function):
+    """The autograd node of a module's output that its shardings' output exchanges
+    wrote in place, each into its columns (``PgasPooledEmbeddingDist.pooled_into``):
+    the module's output without TorchRec's ``torch.cat`` of its shardings' outputs,
+    which copies all of it. Backward gives each sharding its columns of the gradient
+    as views, as ``torch.cat``'s backward does (divided as row-wise mean pooling
+    divided the output), in reverse sharding order: the order autograd runs the
+    shardings' nodes under ``torch.cat`` (later ones first), so that a rank whose
+    output was concatenated exchanges gradients in the same order as its peers."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -128,58 +131,41 @@ class _ExchangePooledJoined(torch.autograd.Function):
         columns: Sequence[Tuple[int, int]],
         *local_embs: torch.Tensor,
     ) -> torch.Tensor:
-        _exchange_into(exchanges, routes, local_embs)
         ctx.exchanges, ctx.routes, ctx.columns = exchanges, routes, columns
         ctx.shapes = [e.shape for e in local_embs]
-        ctx.mark_dirty(joined)
+        ctx.mark_dirty(joined)  # the exchanges wrote it
         return joined
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         divide = get_gradient_division()
-        grads = []
-        for exchange, route, (begin, end), shape in zip(ctx.exchanges, ctx.routes, ctx.columns, ctx.shapes):
+        grads: List[Optional[torch.Tensor]] = [None] * len(ctx.shapes)
+        for i in reversed(range(len(ctx.shapes))):
+            route, (begin, end) = ctx.routes[i], ctx.columns[i]
             grad = grad_out[:, begin:end]
             if route.divisor is not None:
                 grad = grad / route.divisor
-            grads.append(exchange.exchange_grads(grad, route, shape, divide))
+            grads[i] = ctx.exchanges[i].exchange_grads(grad, route, ctx.shapes[i], divide)
         return (None, None, None, None, None, *grads)
 
 
-def _exchange_into(exchanges: Sequence[Exchange], routes: Sequence[Any], local_embs: Sequence[torch.Tensor]) -> None:
-    """Each sharding's output exchange, into its route's ``dest``, then divided there
-    by the route's ``divisor`` (row-wise mean pooling)."""
-    for exchange, route, embs in zip(exchanges, routes, local_embs):
-        out = exchange.exchange_pooled(embs, route)
-        if route.divisor is not None:
-            out.div_(route.divisor)
-        # The route lives on with the graph: not a view of the output.
-        route.dest = None
-
-
-def pooled_joined(
+def joined_output(
     dists: Sequence["PgasPooledEmbeddingDist"],
     lookups: Sequence[PooledLookup],
     joined: torch.Tensor,
     columns: Sequence[Tuple[int, int]],
 ) -> torch.Tensor:
-    """A module's output, ``joined``: each sharding's rows (``dists[i]``'s of
-    ``lookups[i]``) in its ``columns[i]``. Each lookup's route must already have its
-    slice of ``joined`` as ``dest`` (set before the lookup: ``lookup_put`` stores this
-    rank's own rows there)."""
-    exchanges: List[Exchange] = []
-    for d, lookup in zip(dists, lookups):
-        d.check_lookup(lookup)
-        exchanges.append(d._exchange)
-    routes = [lookup.route for lookup in lookups]
-    embs = [lookup.embs for lookup in lookups]
+    """A module's output, ``joined``, once every sharding has put its rows (``dists[i]``'s
+    of ``lookups[i]``) into its ``columns[i]`` (``PgasPooledEmbeddingDist.pooled_into``),
+    under one autograd node in grad mode."""
     if not torch.is_grad_enabled():
-        _exchange_into(exchanges, routes, embs)
         return joined
+    exchanges = [d._exchange for d in dists]
     # As for one sharding: every rank runs the backward exchanges, also one whose
     # lookups have nothing to differentiate.
     anchor = torch.empty(0, requires_grad=True)
-    return _ExchangePooledJoined.apply(joined, anchor, exchanges, routes, columns, *embs)
+    routes, embs = [x.route for x in lookups], [x.embs for x in lookups]
+    return _JoinedOutput.apply(joined, anchor, exchanges, routes, columns, *embs)
 
 
 class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]):
@@ -205,6 +191,24 @@ class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, Pooled
                 f"{self._name}: the output dist was given a {type(lookup).__name__}, not the "
                 f"PGAS lookup's output (PooledLookup)"
             )
+
+    def pooled_into(self, lookup: PooledLookup) -> None:
+        """Puts the lookup's rows and takes this rank's output into its route's ``dest``
+        (the sharding's columns of the module's output: ``joined_output`` is its
+        autograd node), divided there for row-wise mean pooling."""
+        self.check_lookup(lookup)
+        embs, route = lookup
+        dest = route.dest
+        try:
+            with torch.no_grad():
+                out = self._exchange.exchange_pooled(embs, route)
+        finally:
+            route.dest = None  # the route lives on with the graph: not a view of the output
+        if dest is None or out.data_ptr() != dest.data_ptr() or out.shape != dest.shape:
+            raise PgasError(f"{self._name}: the output exchange did not write the step's output destination")
+        if route.divisor is not None:
+            with torch.no_grad():
+                out.div_(route.divisor)
 
     def pooled(self, lookup: PooledLookup) -> torch.Tensor:
         """``forward``'s output without the awaitable."""

@@ -90,12 +90,14 @@ class PooledLookup(NamedTuple):
 
 
 class OutputSpec(NamedTuple):
-    """This rank's output of one step: ``[rows, dim]`` of ``dtype`` on ``device``."""
+    """This rank's output of one step: ``[rows, dim]`` of ``dtype`` on ``device``, and
+    whether the sharding divides it (row-wise mean pooling: ``StepRoute.divisor``)."""
 
     rows: int
     dim: int
     dtype: torch.dtype
     device: torch.device
+    divided: bool
 
 
 class Exchange(Protocol):

@@ -377,7 +377,7 @@ class DeviceTwExchange(DeviceTwSetup):
 
     def output_spec(self, route: DeviceRoute) -> OutputSpec:
         """This rank's output of the step of ``route`` (``Exchange.output_spec``)."""
-        return OutputSpec(route.out_rows, self._output.dim, self._out_dtype, self._dev)
+        return OutputSpec(route.out_rows, self._output.dim, self._out_dtype, self._dev, self._divides())
 
     def _new_output(self, route: DeviceRoute) -> torch.Tensor:
         """This rank's output of a step, ``[route.out_rows, dim]``: ``route.dest`` if the

@@ -234,7 +234,7 @@ class TwExchange(BaseTwExchange):
     def output_spec(self, route: Route) -> OutputSpec:
         """This rank's output of the step of ``route`` (``Exchange.output_spec``)."""
         rows = route.batch_sizes[self._t.rank]
-        return OutputSpec(rows, self._output.width, self._out_dtype, self._t.device)
+        return OutputSpec(rows, self._output.width, self._out_dtype, self._t.device, self._divides())
 
     def exchange_pooled(self, local_embs: torch.Tensor, route: Route) -> torch.Tensor:
         """Puts each requester's pooled rows into its output slot; returns this rank's
