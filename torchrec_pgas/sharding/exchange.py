@@ -22,7 +22,7 @@ class StepRoute(Protocol):
     """What the output and gradient exchanges of one step need from its input; its
     ``divisor`` (row-wise mean pooling, ``[batch, dims]``) divides the summed output,
     and its ``dest``, if set, is where the output goes (``[batch, dims]``, a column
-    slice of the module's joined output: ``dists.pooled_joined``)."""
+    slice of the module's joined output: ``dists.joined_output``)."""
 
     divisor: Optional[torch.Tensor]
     dest: Optional[torch.Tensor]
