@@ -47,8 +47,9 @@ Buffers:
                pooling else 0
     table:     any tensor of the tables' dtype (only its pointer type is used); rows
                start at multiples of 4 elements (``ROW_ALIGN`` bytes)
-    own:       [batch, pitch] (the output's dtype)  this rank's output: requester
-               ``me``'s rows go there instead of its slot
+    own:       [batch, pitch], rows ``own_pitch`` apart (the output's dtype)  this
+               rank's output: requester ``me``'s rows go there instead of its slot (a
+               column slice of the module's joined output, or contiguous)
     out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
                output slot (``OUT_ALIGN`` bytes aligned), rows of ``pitch`` elements (a
                multiple of 4), through the peer mapping; with ``PUT_PATH``, int64
@@ -120,6 +121,7 @@ def _add(acc, vals, w, take, HAS_WEIGHTS: tl.constexpr):
         "ids_offset",
         "weights_offset",
         "pitch",
+        "own_pitch",
         "done_target",
         "timeout_ns",
         "me",
@@ -143,6 +145,7 @@ def lookup_put_kernel(
     ids_offset: tl.int64,
     weights_offset: tl.int64,
     pitch: tl.int64,
+    own_pitch: tl.int64,
     done_target: tl.int64,
     timeout_ns: tl.int64,
     me: tl.int64,
@@ -220,7 +223,7 @@ def lookup_put_kernel(
         staged = out_addr == 0
         out_addr = tl.where(staged, tl.load(out_addrs_ptr + 4 * S + s), out_addr)
     out = tl.multiple_of(tl.where(s == me, own_ptr, out_addr.to(own_ptr.dtype, bitcast=True)), OUT_ALIGN)
-    dst_rows = tl.multiple_of(rows.to(tl.int64) * pitch + col, 4)
+    dst_rows = tl.multiple_of(rows.to(tl.int64) * tl.where(s == me, own_pitch, pitch) + col, 4)
     store_ok = (rows < batch) & ok
     longest = tl.max(L)
     for d0 in range(0, dim, BLOCK_D):
@@ -297,8 +300,8 @@ def lookup_put(
     ``bag_offsets`` wrote) and the output step after ``clock_out[0]``. With ``put_path``,
     ``out_addrs`` is the ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer
     mapping are served through NVSHMEM (which must be initialized). ``own`` (this rank's
-    output, rank ``me``'s batch rows of ``pitch``) takes ``me``'s rows; it gives the
-    output's dtype."""
+    output, rank ``me``'s batch rows of ``pitch``, ``rows_put.check_own``) takes ``me``'s
+    rows; it gives the output's dtype."""
     depth, S, F = out_addrs.size(0), out_addrs.size(-1), features.size(0)
     if F == 0:
         return
@@ -324,6 +327,7 @@ def lookup_put(
         layout.ids_offset,
         layout.weights_offset,
         pitch,
+        own.stride(0),
         F * (COUNT_B // BLOCK_B),
         timeout_ns,
         me,

@@ -37,7 +37,9 @@ existed.
 Buffers:
     slots:     [DEPTH, BLOCKS, rows, pitch]  the output slots, per generation one block
                per owner that stores into it (table-wise: one block)
-    out:       [batch, pitch]  in/out: this rank's own rows in (see above), the output out
+    out:       [batch, pitch], rows ``out_pitch`` apart  in/out: this rank's own rows in
+               (see above), the output out (a column slice of the module's joined
+               output, or contiguous)
     counts:    int64 [world]  this rank's output counters, one word per owner
     owners:    int32 [P]  the owners to wait for
     out_free:  int64 [P]  address of each owner's output free word for this rank
@@ -64,6 +66,7 @@ import triton.language as tl
 from torchrec_pgas.kernels import nvshmem_device as nv
 from torchrec_pgas.kernels.ids_slot import HEADER_WORDS, Status
 from torchrec_pgas.kernels.launch import Launcher, cdiv
+from torchrec_pgas.kernels.rows_put import check_own
 from torchrec_pgas.kernels.signals import WAIT_DATA, last_to_finish, signal_put, wait_ge
 from torchrec_pgas.kernels.step_clock import EXPECTED, OUT, RECORD_STEP
 
@@ -102,11 +105,11 @@ def _release(addrs_ptr, n, value, PUT_PATH: tl.constexpr):
 
 
 @triton.jit
-def _block(block_ptr, out_ptr, at_rc, mask, in_out, READ_OWN: tl.constexpr):
-    """A block's tile: from ``out`` where ``in_out`` (this rank's own rows, stored there
-    in place; undefined there unless ``READ_OWN``), else from the slot's block at
-    ``block_ptr``."""
-    mine = tl.load(out_ptr + at_rc, mask=mask & in_out & READ_OWN)
+def _block(block_ptr, out_ptr, at_rc, at_out, mask, in_out, READ_OWN: tl.constexpr):
+    """A block's tile: from ``out`` at ``at_out`` where ``in_out`` (this rank's own rows,
+    stored there in place; undefined there unless ``READ_OWN``), else from the slot's
+    block at ``block_ptr``, at ``at_rc``."""
+    mine = tl.load(out_ptr + at_out, mask=mask & in_out & READ_OWN)
     theirs = tl.load(block_ptr + at_rc, mask=mask & ~in_out)
     return tl.where(in_out, mine, theirs)
 
@@ -141,6 +144,7 @@ def output_take_kernel(
     batch: tl.int64,
     rows: tl.int64,
     pitch,
+    out_pitch,
     num_owners: tl.int64,
     num_sources: tl.int64,
     expect: tl.int64,
@@ -176,21 +180,23 @@ def output_take_kernel(
     cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (r < batch)[:, None] & (cols < pitch)[None, :]
     at_rc = r.to(tl.int64)[:, None] * pitch + cols[None, :]
+    # A multiple of 4 elements (``check_own``), told so whatever its specialization.
+    at_out = tl.multiple_of(r.to(tl.int64) * out_pitch, 4)[:, None] + cols[None, :]
     # Given in 4-element units (FBGEMM's dims are multiples of 4): the masks then keep
     # 4-element accesses.
     own_cols = ((cols >= own_begin4 * 4) & (cols < own_end4 * 4))[None, :]
     # With one block, this rank's own columns hold the output already: they are not
     # read (a bad step stores NaN there without them).
-    acc = _block(slot_ptr, out_ptr, at_rc, mask, own_cols & (own_block == 0), BLOCKS > 1)
+    acc = _block(slot_ptr, out_ptr, at_rc, at_out, mask, own_cols & (own_block == 0), BLOCKS > 1)
     for k in tl.static_range(1, BLOCKS):
-        part = _block(slot_ptr + k * rows * pitch, out_ptr, at_rc, mask, own_cols & (own_block == k), True)
+        part = _block(slot_ptr + k * rows * pitch, out_ptr, at_rc, at_out, mask, own_cols & (own_block == k), True)
         acc = (acc.to(tl.float32) + part.to(tl.float32)).to(acc.dtype)
     bad = tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu") != 0
     for q in range(num_sources):
         bad |= tl.load(record_ptr + q * _HEADER_WORDS) != _OK
     acc = tl.where(bad, float("nan"), acc.to(tl.float32)).to(acc.dtype)
     unchanged = own_cols & (BLOCKS == 1)
-    tl.store(out_ptr + at_rc, acc, mask=mask & (bad | ~unchanged))
+    tl.store(out_ptr + at_out, acc, mask=mask & (bad | ~unchanged))
     # Every thread's reads of the slot are done before the tick.
     tl.debug_barrier()
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -233,8 +239,8 @@ def output_take(
     put_path: bool = False,
 ) -> None:
     """Launches ``(cdiv(batch, BLOCK_B), cdiv(pitch, BLOCK_D))`` programs, at least one,
-    for ``out``'s ``batch`` rows, once every owner has stored ``expect`` more programs
-    (see the module docstring). ``own``: this rank's rows in ``out``, as its block and
+    for ``out``'s ``batch`` rows (``rows_put.check_own``), once every owner has stored
+    ``expect`` more programs (see the module docstring). ``own``: this rank's rows in ``out``, as its block and
     first and last-plus-one columns, multiples of 4 (an empty range if it owns no
     table). With ``put_path``, ``out_free`` and ``ids_free`` are ``[PUT_ROWS, n]`` tables and free
     words without a peer mapping are set through NVSHMEM (which must be initialized)."""
@@ -244,6 +250,7 @@ def output_take(
         raise ValueError(f"own: columns {own_begin}...{own_end} are not multiples of 4")
     if ring.dim() != 2 or ring.size(1) != at + RECORD_WORDS + 1 or ring.dtype != torch.int64:
         raise ValueError(f"ring: int64 [n, {at + RECORD_WORDS + 1}] expected, got {ring.dtype} {list(ring.shape)}")
+    check_own(out, pitch, slots.dtype)
     batch = out.size(0)
     grid = (max(cdiv(batch, BLOCK_B), 1), cdiv(pitch, BLOCK_D))
     num_sources = ids_free.size(-1)
@@ -265,6 +272,7 @@ def output_take(
         batch,
         rows,
         pitch,
+        out.stride(0),
         owners.numel(),
         num_sources,
         expect,

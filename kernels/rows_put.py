@@ -24,8 +24,10 @@ Buffers:
                of 4)
     batch:     int64 [S]  batch size of each requester (from its ids header), every
                           ``batch_stride`` words
-    own:       [batch, pitch] (``src``'s dtype)  this rank's output: requester ``me``'s
-                          rows go there instead of its slot
+    own:       [batch, pitch], rows ``own_pitch`` apart (``src``'s dtype)  this rank's
+                          output: requester ``me``'s rows go there instead of its
+                          slot (a column slice of the module's joined output, or
+                          contiguous)
     out_addrs: int64 [DEPTH, S]  per generation, the address of each requester's
                           output slot (``ALIGN`` bytes aligned), rows of ``pitch``
                           elements, the owner's block from column ``col`` (both
@@ -80,6 +82,7 @@ def rows_put_kernel(
     batch_capacity: tl.int64,
     dim,
     pitch,
+    own_pitch,
     col,
     timeout_ns: tl.int64,
     BLOCK_B: tl.constexpr,
@@ -111,7 +114,9 @@ def rows_put_kernel(
             rows = blk * BLOCK_B + tl.arange(0, BLOCK_B)
             row_ok = rows < batch
             src_rows = (s * batch_capacity + rows).to(tl.int64) * dim
-            dst_rows = rows.to(tl.int64) * pitch + col
+            # Multiples of 4 elements (``check_own``), told so whatever the row strides'
+            # specialization: the stores then move 4 elements at once.
+            dst_rows = tl.multiple_of(rows.to(tl.int64) * tl.where(s == me, own_pitch, pitch) + col, 4)
             for d0 in range(0, dim, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 mask = row_ok[:, None] & (cols < dim)[None, :]
@@ -161,7 +166,8 @@ def rows_put(
     for the output step after ``clock_out[0]``. With ``put_path``, ``out_addrs`` is the
     ``[DEPTH, PUT_ROWS, S]`` table and requesters without a peer mapping are served
     through NVSHMEM (which must be initialized). ``own`` (this rank's output, rank
-    ``me``'s batch rows of ``pitch``, ``src``'s dtype) takes ``me``'s rows."""
+    ``me``'s batch rows of ``pitch``, ``src``'s dtype, ``check_own``) takes ``me``'s
+    rows."""
     depth, S, dim = out_addrs.size(0), batch.numel(), src.size(1)
     check_own(own, pitch, src.dtype)
     grid = (S, cdiv(batch_capacity, BLOCK_B))
@@ -180,6 +186,7 @@ def rows_put(
         batch_capacity,
         dim,
         pitch,
+        own.stride(0),
         col,
         timeout_ns,
         BLOCK_B=BLOCK_B,
@@ -193,11 +200,20 @@ def rows_put(
 
 def check_own(own: torch.Tensor, pitch: int, dtype: torch.dtype) -> None:
     """Refuses a rank's output that the put kernels cannot store its own rows into:
-    anything but contiguous ``dtype`` rows of ``pitch`` elements."""
-    if own.dim() != 2 or own.size(1) != pitch or not own.is_contiguous() or own.dtype != dtype:
+    anything but ``dtype`` rows of ``pitch`` contiguous elements, rows a multiple of 4
+    elements apart from a start aligned to 4 elements (a column slice of a wider output
+    whose columns are FBGEMM's dims is one: the kernels move 4 elements at once)."""
+    align = 4 * own.element_size()
+    if (
+        own.dim() != 2
+        or own.size(1) != pitch
+        or own.dtype != dtype
+        or (own.size(0) > 1 and own.stride(0) < pitch)
+        or (own.numel() > 0 and (own.stride(1) != 1 or own.stride(0) % 4 or own.data_ptr() % align))
+    ):
         raise ValueError(
-            f"own: contiguous {dtype} rows of {pitch} expected, got {own.dtype} {list(own.shape)} "
-            f"strides {own.stride()}"
+            f"own: {dtype} rows of {pitch} contiguous elements, 4-element aligned, expected, got "
+            f"{own.dtype} {list(own.shape)} strides {own.stride()}"
         )
 
 

@@ -22,7 +22,7 @@ from dist_utils import (
     shard,
     torchrec_tw,
 )
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed import embeddingbag
@@ -104,6 +104,13 @@ def _models(world_size, tables, weighted, seed, fused_params=None):
 # ------------------------------------------------------------------- forward
 
 
+def _joined(kt) -> bool:
+    """Whether the module's output came out whole, each sharding's columns put in place
+    (``dists.joined_output``), not from TorchRec's ``torch.cat`` of their outputs."""
+    fn = kt.values().grad_fn
+    return fn is not None and "JoinedOutput" in fn.name()
+
+
 def _forward(rank, world_size, order, pooling, weighted):
     counter = _TorchRecInputDists()
     for seed in range(2):
@@ -118,6 +125,7 @@ def _forward(rank, world_size, order, pooling, weighted):
             kjt = in_order(random_kjt(tables, batch_size, 1000 * seed + 10 * step + rank, weighted), keys)
             with torch.no_grad() if step == 2 else torch.enable_grad():
                 out = pgas(kjt)
+                assert _joined(out) == (step != 2), (seed, step)
                 assert_same_kt(out, forced(kjt), exact=True)
                 if pooling == PoolingType.SUM:
                     # TorchRec's row_wise mean divides every column of a module that has
@@ -132,9 +140,42 @@ def _forward(rank, world_size, order, pooling, weighted):
         ctx = ebc.create_context()
         piped = ebc.compute_and_output_dist(ctx, ebc.input_dist(ctx, kjt).wait().wait()).wait()
         assert_same_kt(piped, forced(kjt), exact=True)
+        assert _joined(piped), "the pipelines' way in joins the output in place too"
         assert ebc._pgas_direct is True and len(ebc._embedding_shardings) == 2
         assert counter.of(pgas) == 0, "the direct path took TorchRec's input dist"
         assert counter.of(forced) == 5  # ... which this count would have shown
+
+
+def _half_outputs(rank, world_size):
+    tables = _tables(world_size, 3, PoolingType.MEAN)
+    ref, pgas, forced, torchrec = _models(world_size, tables, False, 3, fused_params={"output_dtype": SparseType.FP16})
+    keys = [f for t in tables for f in t.feature_names]
+    for step in range(3):
+        kjt = in_order(random_kjt(tables, BATCH_SIZES[world_size][rank] + step, 10 * step + rank), keys)
+        with torch.no_grad() if step == 2 else torch.enable_grad():
+            out, theirs = pgas(kjt), torchrec(kjt)
+            assert not _joined(out), "fp16 outputs divided in float32 are concatenated"
+            assert out.values().dtype == theirs.values().dtype == torch.float32
+            assert_same_kt(out, forced(kjt), exact=True)
+
+
+def test_half_outputs_with_row_wise_mean_keep_torchrec_dtype():
+    """fp16 outputs of a module with mean-pooled ``pgas_row_wise`` tables: the division
+    by float32 divisors promotes that sharding's output, and TorchRec's ``torch.cat``
+    the module's (as TorchRec's own mean does), so the output is not joined in place."""
+    run_ranks(_half_outputs, 2, deadline_s=300)
+
+
+def test_an_output_destination_that_is_not_the_output_is_refused():
+    """A step's ``dest`` must be the sharding's output exactly (its rows and columns, its
+    dtype, contiguous elements): anything else is refused, naming the sharding."""
+    from torchrec_pgas.sharding.exchange import check_dest
+
+    for good in (torch.zeros(3, 4), torch.zeros(3, 12)[:, 4:8], torch.zeros(0, 4)):
+        check_dest(good, (good.shape[0], 4), torch.float32, "s")
+    for bad in (torch.zeros(3, 5), torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.float16), torch.zeros(4, 3).t()):
+        with pytest.raises(ValueError, match="s: the step's output destination"):
+            check_dest(bad, (3, 4), torch.float32, "s")
 
 
 @pytest.mark.parametrize(
@@ -153,36 +194,55 @@ def test_table_wise_and_row_wise_in_one_module_take_the_direct_path(world_size, 
 # ------------------------------------------------------------------ training
 
 
-def _train(rank, world_size, optimizer):
+def _train(rank, world_size, optimizer, pooling):
     fused = {"optimizer": optimizer, "learning_rate": 0.1, "eps": 1e-3}
-    tables = _tables(world_size, 7, PoolingType.SUM)
+    tables = _tables(world_size, 7, pooling)
     ref, pgas, forced, torchrec = _models(world_size, tables, False, 7, fused_params=fused)
+    # TorchRec's row_wise mean divides every column of a module that has it: with mean
+    # pooling the oracle is the same plan on TorchRec's path (``forced``), bit for bit.
+    models = (pgas, forced, torchrec) if pooling == PoolingType.SUM else (pgas, forced)
     keys = list(reversed([f for t in tables for f in t.feature_names]))
     for step in range(4):
         # One batch size on every rank: TorchRec's row_wise backward on gloo takes no other.
         kjt = in_order(random_kjt(tables, 3 + step, 100 * step + rank), keys)
         outs = []
-        for model in (pgas, forced, torchrec):
+        for model in models:
             g = torch.Generator().manual_seed(step)
-            kt = model(kjt).to_dict()
+            kt = model(kjt)
+            assert _joined(kt) == (model is pgas)
+            kt = kt.to_dict()
             sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt)).backward()
             outs.append({k: v.detach() for k, v in kt.items()})
         for k in outs[0]:
             assert torch.equal(outs[0][k], outs[1][k]), (step, k)
-            torch.testing.assert_close(outs[0][k], outs[2][k], rtol=1e-5, atol=1e-6)
+            if len(outs) > 2:
+                torch.testing.assert_close(outs[0][k], outs[2][k], rtol=1e-5, atol=1e-6)
     like = ref.state_dict()
-    trained = [gather_unsharded_state_dict(m, like, prefix="ebc.") for m in (pgas, forced, torchrec)]
+    trained = [gather_unsharded_state_dict(m, like, prefix="ebc.") for m in models]
     for name in like:
         assert torch.equal(trained[0][name], trained[1][name]), name
-        torch.testing.assert_close(trained[0][name], trained[2][name], rtol=0, atol=1e-6)
+        if len(trained) > 2:
+            torch.testing.assert_close(trained[0][name], trained[2][name], rtol=0, atol=1e-6)
         assert not torch.equal(trained[0][name], like[name]), f"{name} was not trained"
     assert pgas.module.ebc._pgas_direct is True
 
 
-@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_training_matches_table_wise_and_row_wise(world_size, optimizer):
-    run_ranks(_train, world_size, optimizer=optimizer, deadline_s=300)
+@pytest.mark.parametrize(
+    "world_size,optimizer,pooling",
+    [
+        (2, EmbOptimType.EXACT_SGD, PoolingType.SUM),
+        (3, EmbOptimType.EXACT_SGD, PoolingType.SUM),
+        (2, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingType.SUM),
+        (3, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingType.SUM),
+        (2, EmbOptimType.EXACT_SGD, PoolingType.MEAN),
+        (3, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingType.MEAN),
+    ],
+)
+def test_training_matches_table_wise_and_row_wise(world_size, optimizer, pooling):
+    """Training through the module's joined output against TorchRec's path of the same
+    plan (outputs and weights bit for bit; with mean pooling, the gradient divided as
+    the output was) and TorchRec's own types (sum pooling)."""
+    run_ranks(_train, world_size, optimizer=optimizer, pooling=pooling, deadline_s=300)
 
 
 class _TrainStep(nn.Module):
@@ -455,6 +515,143 @@ def _second_send_fails(rank, world_size):
 
 def test_a_send_failing_in_one_sharding_raises_on_every_rank():
     run_ranks(_second_send_fails, 3, deadline_s=300)
+
+
+# ------------------------------------------- one sharding raising in mid-step
+
+
+def _long_first_bag(kjt: KeyedJaggedTensor, feature: str, ids: int) -> KeyedJaggedTensor:
+    """``kjt`` with ``ids`` more ids (0: a row of every table, in the first row block)
+    at the start of ``feature``'s first bag."""
+    keys, batch = kjt.keys(), kjt.stride()
+    at = keys.index(feature) * batch
+    start = int(kjt.offsets()[at])
+    lengths = kjt.lengths().clone()
+    lengths[at] += ids
+    values = kjt.values()
+    values = torch.cat([values[:start], torch.zeros(ids, dtype=values.dtype), values[start:]])
+    weights = kjt.weights_or_none()
+    if weights is not None:
+        weights = torch.cat([weights[:start], torch.ones(ids), weights[start:]])
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def _logged_step(ebc, log: List[str]) -> Callable[[], None]:
+    """Logs the next step's lookups and output exchanges into ``log``, by sharding
+    ("lookup 0", "output 0", ...); the second sharding's output exchange then raises on
+    every rank once it has put and taken the step's rows: where the GPU path checks a
+    training step (``check_now``), which the host exchanges do at the receive. Returns
+    what removes the lookups' hooks."""
+    hooks = [
+        lookup.register_forward_pre_hook(functools.partial(lambda i, *_: log.append(f"lookup {i}"), i))
+        for i, lookup in enumerate(ebc._lookups)
+    ]
+    for i, exchange in enumerate(ebc._pgas_exchanges):
+        original = exchange.exchange_pooled
+
+        def logged(local_embs, route, i=i, exchange=exchange, original=original):
+            del exchange.exchange_pooled  # the next step's is the class's again
+            log.append(f"output {i}")
+            out = original(local_embs, route)
+            if i == 1:
+                raise PgasInputError(f"{exchange._name} step {exchange._out_step}: refused at its output")
+            return out
+
+        exchange.exchange_pooled = logged
+    return lambda: [h.remove() for h in hooks]
+
+
+def _step_counts(ebc) -> List[tuple]:
+    """Each sharding's counts of steps sent, received, output and back-propagated."""
+    return [(x._send_step, x._recv_step, x._out_step, x._grad_step) for x in ebc._pgas_exchanges]
+
+
+def _second_sharding_raises(rank, world_size, stage, weighted):
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
+    for seed in range(2):
+        tables = _tables(world_size, 20 + seed, PoolingType.MEAN)
+        ref, pgas, forced, _ = _models(world_size, tables, weighted, seed, fused_params=fused)
+        ebc = pgas.module.ebc
+        keys = [f for t in tables for f in t.feature_names]
+        keys = [keys[i] for i in torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed))]
+
+        def batch(step, batch_size=None):
+            size = BATCH_SIZES[world_size][rank] + step if batch_size is None else batch_size
+            return in_order(random_kjt(tables, size, 1000 * seed + 10 * step + rank, weighted), keys)
+
+        def good(step, train):
+            # The oracle, TorchRec's path of the same plan, never sees the bad batch.
+            kjt = batch(step)
+            with torch.set_grad_enabled(train):
+                outs = [model(kjt) for model in (pgas, forced)]
+                assert _joined(outs[0]) == train, (seed, step)
+                assert_same_kt(outs[0], outs[1], exact=True)
+                if train:
+                    for kt in outs:
+                        kt = kt.to_dict()
+                        g = torch.Generator().manual_seed(step)
+                        sum((kt[k] * torch.randn(kt[k].shape, generator=g)).sum() for k in sorted(kt)).backward()
+            if step == 0:
+                expected = reference_pooled(tables, ref.state_dict(), kjt, _row_wise(world_size, tables))
+                assert_close_to_reference(outs[0].to_dict(), expected)
+
+        good(0, train=False)  # the first batch decides the path and sizes the slots
+        good(1, train=True)
+        second = ebc._pgas_exchanges[1]
+        names = ebc._sharding_types
+        bad = batch(2, batch_size=2)
+        if stage == "receive":
+            # Rank 1's batch has more ids for one owner of the second sharding than its
+            # slots take; the first sharding's features are within its capacity.
+            feature = ebc._embedding_shardings[1].feature_names()[0]
+            if rank == 1:
+                bad = _long_first_bag(bad, feature, second._layout.ids_capacity + 1)
+            message = rf"^{names[1]} step \d+: rank 1's batch .* is over capacity"
+        else:
+            log: List[str] = []
+            unhook = _logged_step(ebc, log)
+            message = rf"^{names[1]} step \d+: refused at its output"
+        with torch.set_grad_enabled(seed == 0), pytest.raises(PgasInputError, match=message) as info:
+            pgas(bad)
+        if stage == "output":
+            unhook()
+            # Each sharding's output exchange right after its own lookup: a sharding that
+            # raises there leaves the later shardings' lookups unrun.
+            assert log == ["lookup 0", "output 0", "lookup 1", "output 1"], log
+        assert names[0] not in str(info.value)
+        # Every rank raised the same, and no sharding is a step ahead of the other.
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, (str(info.value), _step_counts(ebc)))
+        assert all(e == everyone[0] for e in everyone), everyone
+        counts = everyone[0][1]
+        assert counts[0] == counts[1], counts
+        # The next steps are right on every rank, forward and training, and so are the
+        # trained weights.
+        good(3, train=False)
+        good(4, train=True)
+        good(5, train=True)
+        like = ref.state_dict()
+        trained = [gather_unsharded_state_dict(m, like, prefix="ebc.") for m in (pgas, forced)]
+        for name in like:
+            assert torch.equal(trained[0][name], trained[1][name]), (seed, name)
+            assert not torch.equal(trained[0][name], like[name]), f"{name} was not trained"
+        assert ebc._pgas_direct is True and len(names) == 2
+
+
+@pytest.mark.parametrize("stage", ["receive", "output"])
+@pytest.mark.parametrize("world_size,weighted", [(2, True), (3, False)])
+def test_the_second_sharding_raising_in_mid_step_leaves_the_module_in_step(world_size, weighted, stage):
+    """A step that the second of a module's two shardings raises for, after the first
+    has taken its part of the step: at its receive (rank 1's batch over the second's
+    capacity only, the realistic fault on the host transport) or, on every rank, after
+    its output exchange (where the GPU path checks a training step; each sharding's
+    output runs right after its own lookup, so a raise leaves later lookups unrun).
+    Every rank raises the same error naming the sharding and the problem; every
+    sharding has then taken as many steps as the other, and the next steps, forward
+    and training, equal TorchRec's path of the same plan exactly (outputs and trained
+    weights), which never saw the bad batch. World size 2 puts the row-wise sharding
+    first, 3 second (its mean's divisors must stay in step)."""
+    run_ranks(_second_sharding_raises, world_size, stage=stage, weighted=weighted, deadline_s=300)
 
 
 def test_gpu_routing_takes_other_features_in_any_order():

@@ -11,6 +11,7 @@ Skipped without a GPU and nvshmem4py. On the GPU machine:
     python3 -m pytest -q tests/test_gpu_mixed.py
 """
 
+import dataclasses
 from typing import Dict, List
 
 import pytest
@@ -34,12 +35,14 @@ from dist_utils import (  # noqa: E402
     shared_gpu_options,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from test_direct_multi import _long_first_bag, _step_counts  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType  # noqa: E402
 from torchrec.distributed import embeddingbag  # noqa: E402
 
 from torchrec_pgas.graphs import raise_errors  # noqa: E402
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
 from torchrec_pgas.sharding.rw_device_exchange import DeviceRwExchange  # noqa: E402
+from torchrec_pgas.sharding.tw_base import PgasInputError  # noqa: E402
 from torchrec_pgas.sharding.tw_device_exchange import DeviceTwExchange  # noqa: E402
 from torchrec_pgas.sharding_plan import pgas_row_wise  # noqa: E402
 from torchrec_pgas.testing import gather_unsharded_state_dict  # noqa: E402
@@ -90,16 +93,17 @@ class _TorchRecInputDists:
         embeddingbag.ShardedEmbeddingBagCollection.input_dist = counting
 
 
-def _pair(world_size: int, weighted: bool, fused=None):
-    """The unsharded module and the same plan on the GPU (NVSHMEM) and on the CPU
-    (host transport)."""
+def _pair(world_size: int, weighted: bool, fused=None, options=None):
+    """The unsharded module and the same plan on the GPU (NVSHMEM, ``options`` or
+    ``shared_gpu_options``) and on the CPU (host transport)."""
     torch.cuda.set_device(GPU)
     tables = _tables()
     torch.manual_seed(0)
     ref = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=CPU)
     rw = pgas_row_wise(compute_kernel="fused")
     placement = {n: rw if kind == "rw" else pgas_tw(kind % world_size) for n, *_, kind in TABLES}
-    gpu_sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=shared_gpu_options(world_size))
+    options = options or shared_gpu_options(world_size)
+    gpu_sharder = PgasEmbeddingBagCollectionSharder(fused_params=fused, options=options)
     gpu = shard(ref, placement, world_size, gpu_sharder, device=GPU, local_size=1)
     host = shard(ref, placement, world_size, PgasEmbeddingBagCollectionSharder(fused_params=fused))
     return tables, ref, gpu, host
@@ -182,6 +186,74 @@ def _train(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_mixed_module_training_matches_host(world_size):
     run_ranks(_train, world_size, deadline_s=DEADLINE_S)
+
+
+# ---------------------------------------------- one sharding raising in mid-step
+
+
+def _second_sharding_raises(rank: int, world_size: int) -> None:
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
+    # FBGEMM's backward: a training step is checked at each sharding's output.
+    options = dataclasses.replace(shared_gpu_options(world_size), sparse_update="fbgemm")
+    tables, ref, gpu, host = _pair(world_size, False, fused, options)
+    ebc = gpu.module.ebc
+    keys = ORDERS["scattered"]
+
+    def good(step: int, train: bool = True) -> None:
+        # The oracle, the same plan on the host transport, never sees the bad batch.
+        kjt = in_order(random_kjt(tables, [12, 5][rank] + step, 700 + 10 * step + rank), keys)
+        outs = []
+        for model, dev in ((gpu, GPU), (host, CPU)):
+            with torch.set_grad_enabled(train):
+                kt = model(kjt.to(dev)).to_dict()
+                if train:
+                    g = torch.Generator().manual_seed(step)
+                    sum((kt[k] * torch.randn(kt[k].shape, generator=g).to(dev)).sum() for k in sorted(kt)).backward()
+            outs.append({k: v.detach().cpu() for k, v in kt.items()})
+        for k in outs[1]:
+            torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-6, atol=1e-6, msg=(step, k))
+
+    good(0)
+    good(1)
+    names, second = ebc._sharding_types, ebc._pgas_exchanges[1]
+    bad_rank = world_size - 1
+    bad = in_order(random_kjt(tables, 3, 900 + rank), keys)
+    if rank == bad_rank:  # over the second sharding's capacity only
+        feature = ebc._embedding_shardings[1].feature_names()[0]
+        bad = _long_first_bag(bad, feature, second._layout.ids_capacity + 1)
+    message = rf"^{names[1]} step \d+: rank {bad_rank}'s batch .* is over capacity"
+    with torch.enable_grad(), pytest.raises(PgasInputError, match=message) as info:
+        gpu(bad.to(GPU))
+    assert names[0] not in str(info.value)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (str(info.value), _step_counts(ebc)))
+    assert all(e == everyone[0] for e in everyone), everyone
+    counts = everyone[0][1]
+    assert counts[0] == counts[1], counts
+    good(2, train=False)
+    good(3)
+    good(4)
+    raise_errors(gpu, wait=True)
+    _assert_direct(gpu, keys)
+    like = ref.state_dict()
+    w_gpu = gather_unsharded_state_dict(gpu, like, prefix="ebc.")
+    w_host = gather_unsharded_state_dict(host, like, prefix="ebc.")
+    for name in w_host:
+        torch.testing.assert_close(w_gpu[name].cpu(), w_host[name], rtol=1e-6, atol=1e-6)
+        assert not torch.equal(w_host[name], like[name]), f"{name} was not trained"
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_mixed_module_second_sharding_raising_in_mid_step_leaves_it_in_step(world_size):
+    """A training step whose batch is over the second sharding's capacity on the last
+    rank: with FBGEMM's backward each sharding's output checks the step, so the second
+    raises after the first has exchanged its output. Every rank raises the same error
+    naming the sharding and the problem, every sharding has taken as many steps as the
+    other, and the next steps, forward and training, equal the same plan on the host
+    transport, which never saw the bad batch (as ``test_direct_multi``'s test of the
+    host transport, where the receive raises)."""
+    run_ranks(_second_sharding_raises, world_size, deadline_s=DEADLINE_S)
 
 
 # ------------------------------------------------------------------- no sync

@@ -115,6 +115,7 @@ CASES = {
             "batch_capacity": "i32",
             "dim": "i32",
             "pitch": "i32",
+            "own_pitch": "i32",
             "col": "i32",
             "timeout_ns": "i64",
             "BLOCK_B": "constexpr",
@@ -174,6 +175,7 @@ CASES = {
             "batch": "i64",
             "rows": "i64",
             "pitch": "i32",
+            "out_pitch": "i32",
             "num_owners": "i64",
             "num_sources": "i64",
             "expect": "i64",
@@ -672,6 +674,7 @@ def test_pooled_rows_move_four_elements_at_once():
     assert "ld.global.b32" not in ptx, "every table load is a vector load"
     sixteen = [["tt.divisibility", 16]]
     names = list(CASES["rows_put"][1])
+    # (The own rows' stride is not specialized: a joined output's need not be a multiple of 16.)
     attrs = {(names.index(a),): sixteen for a in ("src_ptr", "dim", "pitch", "col")}
     ptx = _ptx("rows_put", _variant("rows_put", PUT_PATH=False), rows_put.NUM_WARPS, attrs)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
@@ -829,24 +832,27 @@ def test_put_path_launch_refuses_a_table_of_the_wrong_shape(launch):
 
 @pytest.mark.parametrize(
     "own",
-    ["1-D", "other pitch", "strided", "other dtype"],
+    ["1-D", "other pitch", "columns apart", "rows overlap", "unaligned slice", "other dtype"],
 )
 def test_an_output_the_puts_cannot_store_own_rows_into_is_refused(own):
-    """``rows_put`` and ``lookup_put`` store a rank's own rows into its output as
-    contiguous rows of the pitch in the rows' dtype: anything else is refused before a
-    launch, naming ``own``."""
+    """``rows_put``, ``lookup_put`` and ``output_take`` store a rank's own rows into its
+    output as rows of the pitch in the rows' dtype, their elements contiguous, 4-element
+    aligned (the kernels move 4 at once): a contiguous output or a column slice of the
+    module's joined one. Anything else is refused before a launch, naming ``own``."""
     import torch
 
-    good = torch.zeros(5, 8)
     bad = {
         "1-D": torch.zeros(40),
         "other pitch": torch.zeros(5, 12),
-        "strided": torch.zeros(5, 16)[:, :8],
+        "columns apart": torch.zeros(8, 5).t(),
+        "rows overlap": torch.zeros(40).as_strided((5, 8), (4, 1)),
+        "unaligned slice": torch.zeros(5, 18)[:, 2:10],
         "other dtype": torch.zeros(5, 8, dtype=torch.float16),
     }[own]
-    rows_put.check_own(good, 8, torch.float32)
-    with pytest.raises(ValueError, match="own: contiguous torch.float32 rows of 8"):
+    for good in (torch.zeros(5, 8), torch.zeros(5, 20)[:, 4:12], torch.zeros(0, 8), torch.zeros(2, 12)[:, 4:12]):
+        rows_put.check_own(good, 8, torch.float32)
+    with pytest.raises(ValueError, match="own: torch.float32 rows of 8 contiguous elements"):
         rows_put.check_own(bad, 8, torch.float32)
     i64 = torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(ValueError, match="own: contiguous"):
+    with pytest.raises(ValueError, match="own: torch.float32 rows of 8"):
         rows_put.rows_put(torch.zeros(8, 8), i64, bad, 0, i64.view(1, 4), i64, i64, i64, i64[:1], 2, 8, 0, 1)

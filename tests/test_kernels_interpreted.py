@@ -643,6 +643,24 @@ def _requesters(
     return outs, counters, me, out_addrs, torch.tensor([c.data_ptr() + 8 * me for c in counters])
 
 
+def _own_output(rows: int, pitch: int, dtype: torch.dtype, joined: bool, rnd: random.Random):
+    """This rank's output, all -1: contiguous, or (``joined``) the column slice of a wider
+    output that other shardings fill (4-aligned columns on either side, all -7), as the
+    module's joined output gives it; and a check that nothing outside it was written."""
+    if not joined:
+        out = torch.full((rows, pitch), -1.0, dtype=dtype)
+        return out, lambda: None
+    left, right = 4 * rnd.randint(1, 3), 4 * rnd.randint(0, 3)
+    whole = torch.full((rows, left + pitch + right), -7.0, dtype=dtype)
+    out = whole[:, left : left + pitch]
+    out.fill_(-1.0)
+
+    def outside_untouched() -> None:
+        assert (whole[:, :left] == -7.0).all() and (whole[:, left + pitch :] == -7.0).all(), "outside the slice"
+
+    return out, outside_untouched
+
+
 def _assert_only_block_written(
     out: torch.Tensor, rows: int, cols: slice, counters: torch.Tensor, me: int, programs: int
 ) -> None:
@@ -672,7 +690,7 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, dtype, rnd)
     # This rank's own rows go to its output instead of its slot (or no requester is).
     mine = rnd.randrange(-1, S)
-    own = torch.full((batches[mine] if mine >= 0 else 0, pitch), -1.0, dtype=dtype)
+    own, outside_untouched = _own_output(batches[mine] if mine >= 0 else 0, pitch, dtype, seed % 2 == 1, rnd)
     # Two generations of output slots: the step's (the clock's OUT word plus one), and
     # decoys that must stay untouched; every requester has released the step before.
     last = rnd.randint(0, 5)
@@ -697,6 +715,7 @@ def test_rows_land_at_their_final_place_and_are_counted(k, seed, dtype):
         )
         if s == mine:
             assert (outs[s] == -1.0).all(), "this rank's own slot is not written"
+    outside_untouched()
 
 
 @_interpreted
@@ -809,7 +828,8 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
     mine = torch.randn(batch, pitch, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     for i in range(2):
         step = last + 1 + i
-        out = torch.full((batch, pitch), -1.0, dtype=dtype)
+        # A column slice of the module's joined output in every other step.
+        out, outside_untouched = _own_output(batch, pitch, dtype, (seed + i) % 2 == 1, rnd)
         out[:, begin:end] = mine[:, begin:end]
         k.output_take.output_take(
             slots,
@@ -844,6 +864,7 @@ def test_output_is_taken_summed_in_rank_order_and_its_slots_released(k, seed, dt
         assert clock[OUT] == step and clock[EXPECTED] == 6 + 3 * (i + 1), "the clock advances"
         assert record[at : at + 4].tolist() == err.tolist()
         assert ring[step % 4].tolist() == record.tolist() + [step], "the record goes to the step's ring entry"
+        outside_untouched()
 
 
 @_interpreted
@@ -897,7 +918,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
     outs, counters, me, out_addrs, cnt_addrs = _requesters(S, cap, pitch, out_dtype, rnd)
     # This rank's own rows go to its output instead of its slot (or no requester is).
     mine = rnd.randrange(-1, S)
-    own = torch.full((batches[mine] if mine >= 0 else 0, pitch), -1.0, dtype=out_dtype)
+    own, outside_untouched = _own_output(batches[mine] if mine >= 0 else 0, pitch, out_dtype, seed % 2 == 0, rnd)
     decoys = [torch.full_like(o, -1.0) for o in outs]
     by_generation = torch.stack([torch.tensor([d.data_ptr() for d in decoys]), out_addrs])
     done = k.lookup_put.done_counters(S, layout, slots.device)
@@ -952,6 +973,7 @@ def test_pooled_rows_land_at_their_final_place_and_are_counted(k, seed, dtype, m
                 else:
                     assert torch.equal(got, acc.to(out_dtype)), (s, f, i)
                 start += int(lengths[f, i])
+    outside_untouched()
 
 
 def _fbgemm_cpu_tbe(optimizer: str, dims, table_of, mean: bool, wd_mode: int, seed: int):

@@ -42,7 +42,7 @@ from torchrec_pgas.sharding.batch_checks import (
     send_problem,
     torchrec_batch_problem,
 )
-from torchrec_pgas.sharding.dists import send_ids
+from torchrec_pgas.sharding.dists import joined_output, send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, feature_rows, with_float32_weights
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
@@ -182,22 +182,77 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             raise_errors(exchanges)  # what earlier steps reported, before this one starts
             with torch.no_grad():  # as TorchRec's input dists run
                 steps = [send_ids(x, input[0]) for x in exchanges]
-            batches = [x.recv_ids(step) for x, step in zip(exchanges, steps)]
-            pooled = []
-            for lookup, output_dist, batch in zip(self._lookups, self._output_dists, batches):
-                embs = lookup(batch)
-                lookup.wait_for_forward()
-                pooled.append(NoWait(output_dist.pooled(embs)))
-            # TorchRec's own output type (callers test for it, and index it lazily),
-            # over the shardings' outputs in their order, as TorchRec's path gives.
-            return EmbeddingBagCollectionAwaitable(
-                awaitables=pooled,
-                embedding_dims=self._embedding_dims,
-                embedding_names=self._embedding_names,
-                module_fqn=self._module_fqn,
-                sharding_types=self._sharding_types,
-            )
+            return self._looked_up_and_output([x.recv_ids(step) for x, step in zip(exchanges, steps)])
         return super().forward(*input, **kwargs)
+
+    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: Any) -> LazyAwaitable[KeyedTensor]:
+        """TorchRec's (its pipelines' way in after the input dist), or for a module on
+        the direct path the same steps as ``forward``'s, whose output is joined in
+        place."""
+        if self._pgas_direct is True and not ctx.variable_batch_per_feature and self._no_torchrec_extras():
+            return self._looked_up_and_output(list(input))
+        return super().compute_and_output_dist(ctx, input)
+
+    def _looked_up_and_output(self, batches: List[Any]) -> LazyAwaitable[KeyedTensor]:
+        """Each sharding's lookup and output of a step's ``batches``, as TorchRec's
+        output type (callers test for it, and index it lazily), over the shardings'
+        columns in their order, as TorchRec's path gives them: written in place into
+        one output where they can be (``_joined_output``), else concatenated by
+        TorchRec."""
+        joined = self._joined_output(self._pgas_exchanges, batches)
+        pooled, looked_up = [], []
+        # Each sharding's output right after its lookup, as TorchRec's steps run them:
+        # a step that raises in one sharding's output (checked now) then leaves the
+        # later shardings' lookups unrun, and so the step is dropped alike everywhere.
+        for lookup, output_dist, batch in zip(self._lookups, self._output_dists, batches):
+            embs = lookup(batch)
+            lookup.wait_for_forward()
+            if joined is None:
+                pooled.append(NoWait(output_dist.pooled(embs)))
+            else:
+                output_dist.pooled_into(embs)
+            looked_up.append(embs)
+        if joined is not None:
+            out, columns = joined
+            pooled = [NoWait(joined_output(self._output_dists, looked_up, out, columns))]
+        return EmbeddingBagCollectionAwaitable(
+            awaitables=pooled,
+            embedding_dims=self._embedding_dims,
+            embedding_names=self._embedding_names,
+            module_fqn=self._module_fqn,
+            sharding_types=self._sharding_types,
+        )
+
+    def _joined_output(
+        self, exchanges: List[BaseTwExchange], batches: List[Any]
+    ) -> Optional[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
+        """The module's output of a step of several shardings, and each one's columns
+        in it: each batch's route gets its slice as ``dest``, which its lookup and
+        output exchange fill, so that no ``torch.cat`` copies the module's output
+        (``dists.joined_output``). None where the shardings' outputs are kept apart
+        for TorchRec's ``torch.cat``: one sharding, or outputs that differ in rows,
+        dtype or device (a bad batch's), columns that do not start at multiples of 4
+        (the put kernels store 4 elements at once), or outputs narrower than the
+        float32 of a row-wise mean's division."""
+        if len(batches) < 2:
+            return None
+        specs = [x.output_spec(b.route) for x, b in zip(exchanges, batches)]
+        first = specs[0]
+        if any((s.rows, s.dtype, s.device) != (first.rows, first.dtype, first.device) for s in specs):
+            return None
+        if any(s.dim % 4 for s in specs) or sum(s.dim for s in specs) != sum(self._embedding_dims):
+            return None
+        # Row-wise mean divides by float32 divisors: a narrower output is promoted,
+        # which ``torch.cat`` then does for the whole output (the plan's, every rank's).
+        if any(s.divided for s in specs) and torch.promote_types(first.dtype, torch.float32) != first.dtype:
+            return None
+        out = torch.empty(first.rows, sum(s.dim for s in specs), dtype=first.dtype, device=first.device)
+        columns, begin = [], 0
+        for spec, batch in zip(specs, batches):
+            columns.append((begin, begin + spec.dim))
+            batch.route.dest = out[:, begin : begin + spec.dim]
+            begin += spec.dim
+        return out, columns
 
     @property
     def _pgas_exchanges(self) -> List[BaseTwExchange]:
@@ -216,8 +271,17 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._pgas_direct is not True or not isinstance(features, KeyedJaggedTensor):
             return False
         return (
-            not any(d._forward_hooks or d._forward_pre_hooks for d in [*self._input_dists, *self._output_dists])
+            not any(d._forward_hooks or d._forward_pre_hooks for d in self._input_dists)
             and not features.variable_stride_per_key()
+            and self._no_torchrec_extras()
+        )
+
+    def _no_torchrec_extras(self) -> bool:
+        """Whether nothing that TorchRec's lookup and output steps add is in use: hooks
+        on the output dists (the direct steps do not call them as modules), trackers,
+        weight stashing, resharding awaitables."""
+        return (
+            not any(d._forward_hooks or d._forward_pre_hooks for d in self._output_dists)
             and getattr(self, "post_lookup_tracker_fn", None) is None
             and getattr(self, "post_odist_tracker_fn", None) is None
             and not MemoryStashingManager.is_enabled()

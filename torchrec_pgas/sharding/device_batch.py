@@ -46,6 +46,9 @@ class DeviceRoute:
     # the stream it was allocated on (a raw handle); else the output exchange makes it.
     out: Optional[torch.Tensor] = None
     out_stream: int = 0
+    # Where the module wants this rank's output (``StepRoute``): the lookup and the
+    # output exchange store it there instead of allocating it.
+    dest: Optional[torch.Tensor] = None
     # World size 1 with the fused update: the update reads the output's gradient as it
     # is (the one gradient slot would hold a copy of it), and the lookup output is
     # ``out_rows`` rows, not the slots' ``world * batch_capacity``.

@@ -7,7 +7,7 @@ A step goes send -> receive (a ``LookupInput`` with the step's route) -> lookup 
 gradients (the route is kept by autograd).
 """
 
-from typing import Any, Optional, TypeVar
+from typing import Any, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
@@ -111,6 +111,63 @@ class _ExchangePooled(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _JoinedOutput(torch.autograd.Function):
+    """The autograd node of a module's output that its shardings' output exchanges
+    wrote in place, each into its columns (``PgasPooledEmbeddingDist.pooled_into``):
+    the module's output without TorchRec's ``torch.cat`` of its shardings' outputs,
+    which copies all of it. Backward gives each sharding its columns of the gradient
+    as views, as ``torch.cat``'s backward does (divided as row-wise mean pooling
+    divided the output), in reverse sharding order: the order autograd runs the
+    shardings' nodes under ``torch.cat`` (later ones first), so that a rank whose
+    output was concatenated exchanges gradients in the same order as its peers."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        joined: torch.Tensor,
+        anchor: torch.Tensor,
+        exchanges: Sequence[Exchange],
+        routes: Sequence[Any],
+        columns: Sequence[Tuple[int, int]],
+        *local_embs: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.exchanges, ctx.routes, ctx.columns = exchanges, routes, columns
+        ctx.shapes = [e.shape for e in local_embs]
+        ctx.mark_dirty(joined)  # the exchanges wrote it
+        return joined
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        divide = get_gradient_division()
+        grads: List[Optional[torch.Tensor]] = [None] * len(ctx.shapes)
+        for i in reversed(range(len(ctx.shapes))):
+            route, (begin, end) = ctx.routes[i], ctx.columns[i]
+            grad = grad_out[:, begin:end]
+            if route.divisor is not None:
+                grad = grad / route.divisor
+            grads[i] = ctx.exchanges[i].exchange_grads(grad, route, ctx.shapes[i], divide)
+        return (None, None, None, None, None, *grads)
+
+
+def joined_output(
+    dists: Sequence["PgasPooledEmbeddingDist"],
+    lookups: Sequence[PooledLookup],
+    joined: torch.Tensor,
+    columns: Sequence[Tuple[int, int]],
+) -> torch.Tensor:
+    """A module's output, ``joined``, once every sharding has put its rows (``dists[i]``'s
+    of ``lookups[i]``) into its ``columns[i]`` (``PgasPooledEmbeddingDist.pooled_into``),
+    under one autograd node in grad mode."""
+    if not torch.is_grad_enabled():
+        return joined
+    exchanges = [d._exchange for d in dists]
+    # As for one sharding: every rank runs the backward exchanges, also one whose
+    # lookups have nothing to differentiate.
+    anchor = torch.empty(0, requires_grad=True)
+    routes, embs = [x.route for x in lookups], [x.embs for x in lookups]
+    return _JoinedOutput.apply(joined, anchor, exchanges, routes, columns, *embs)
+
+
 class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, PooledLookup, torch.Tensor]):
     """Puts pooled rows (or partial sums) to the requesters; returns this rank's
     pooled embeddings, ``[batch, sum of dims]``."""
@@ -127,13 +184,35 @@ class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, Pooled
     ) -> Awaitable[torch.Tensor]:
         return _Done(self.pooled(local_embs))
 
-    def pooled(self, lookup: PooledLookup) -> torch.Tensor:
-        """``forward``'s output without the awaitable."""
+    def check_lookup(self, lookup: Any) -> None:
+        """Refuses anything but the PGAS lookup's output."""
         if not isinstance(lookup, PooledLookup):
             raise PgasError(
                 f"{self._name}: the output dist was given a {type(lookup).__name__}, not the "
                 f"PGAS lookup's output (PooledLookup)"
             )
+
+    def pooled_into(self, lookup: PooledLookup) -> None:
+        """Puts the lookup's rows and takes this rank's output into its route's ``dest``
+        (the sharding's columns of the module's output: ``joined_output`` is its
+        autograd node), divided there for row-wise mean pooling."""
+        self.check_lookup(lookup)
+        embs, route = lookup
+        dest = route.dest
+        try:
+            with torch.no_grad():
+                out = self._exchange.exchange_pooled(embs, route)
+        finally:
+            route.dest = None  # the route lives on with the graph: not a view of the output
+        if dest is None or out.data_ptr() != dest.data_ptr() or out.shape != dest.shape:
+            raise PgasError(f"{self._name}: the output exchange did not write the step's output destination")
+        if route.divisor is not None:
+            with torch.no_grad():
+                out.div_(route.divisor)
+
+    def pooled(self, lookup: PooledLookup) -> torch.Tensor:
+        """``forward``'s output without the awaitable."""
+        self.check_lookup(lookup)
         embs, route = lookup
         if not torch.is_grad_enabled():
             out = self._exchange.exchange_pooled(embs, route)

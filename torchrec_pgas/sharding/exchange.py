@@ -20,9 +20,12 @@ from torchrec_pgas.kernels.ids_slot import Status
 
 class StepRoute(Protocol):
     """What the output and gradient exchanges of one step need from its input; its
-    ``divisor`` (row-wise mean pooling, ``[batch, dims]``) divides the summed output."""
+    ``divisor`` (row-wise mean pooling, ``[batch, dims]``) divides the summed output,
+    and its ``dest``, if set, is where the output goes (``[batch, dims]``, a column
+    slice of the module's joined output: ``dists.joined_output``)."""
 
     divisor: Optional[torch.Tensor]
+    dest: Optional[torch.Tensor]
 
 
 class LookupInput(Protocol):
@@ -62,6 +65,17 @@ class HostBatch:
         return False
 
 
+def check_dest(dest: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, name: str) -> None:
+    """Refuses a step's output destination (``StepRoute.dest``) that is not ``shape``
+    rows of ``dtype`` with contiguous elements: the module's slice of its joined output
+    must be this sharding's output exactly."""
+    if list(dest.shape) != list(shape) or dest.dtype != dtype or (dest.numel() > 0 and dest.stride(-1) != 1):
+        raise ValueError(
+            f"{name}: the step's output destination is {dest.dtype} {list(dest.shape)} strides "
+            f"{dest.stride()}, expected {dtype} {list(shape)} with contiguous rows"
+        )
+
+
 class PooledLookup(NamedTuple):
     """The lookup's output: this owner's pooled rows (or partial sums) of every
     source's bags, in lookup order, and the route the output dist needs to put them."""
@@ -73,6 +87,17 @@ class PooledLookup(NamedTuple):
         """``embs.register_hook``: TorchRec's compute step may hook the lookup output's
         gradient (weight stashing)."""
         return self.embs.register_hook(hook)
+
+
+class OutputSpec(NamedTuple):
+    """This rank's output of one step: ``[rows, dim]`` of ``dtype`` on ``device``, and
+    whether the sharding divides it (row-wise mean pooling: ``StepRoute.divisor``)."""
+
+    rows: int
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+    divided: bool
 
 
 class Exchange(Protocol):
@@ -94,8 +119,13 @@ class Exchange(Protocol):
         """Pools ``batch`` and puts the rows itself, returning the lookup output's
         stand-in; or None: TorchRec's lookup pools it."""
 
+    def output_spec(self, route: Any) -> OutputSpec:
+        """This rank's output of the step of ``route``, before its lookup (a module that
+        joins its shardings' outputs gives each its slice as ``route.dest``)."""
+
     def exchange_pooled(self, local_embs: torch.Tensor, route: Any) -> torch.Tensor:
-        """Puts every requester's pooled rows; returns this rank's output."""
+        """Puts every requester's pooled rows; returns this rank's output (``route.dest``
+        if set)."""
 
     def exchange_grads(
         self, grad_out: torch.Tensor, route: Any, local_embs_shape: torch.Size, divide: bool

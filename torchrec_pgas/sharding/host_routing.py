@@ -78,13 +78,18 @@ class HostOutput(Protocol):
     #: Per owner, the first column of its block of a requester's output (and so of the
     #: output gradient the owner gets back).
     col_offsets: Sequence[int]
+    #: Columns of a requester's output.
+    width: int
 
     def put(self, transport: Transport, buffer: SymmetricBuffer, requester: int, base: int, rows: torch.Tensor) -> None:
         """Puts this owner's pooled ``rows`` for ``requester`` into its slot at ``base``."""
 
-    def take(self, box: Mailbox, step: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(
+        self, box: Mailbox, step: int, batch: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Waits for the owners' rows of ``step``, releases their slots and returns this
-        rank's output, ``[batch, width]`` (a tensor of its own: slots are reused)."""
+        rank's output, ``[batch, width]``: ``out`` if given (a slice of the module's
+        joined output), else a tensor of its own (slots are reused)."""
 
 
 class ColumnBlockOutput:
@@ -98,19 +103,22 @@ class ColumnBlockOutput:
     def __init__(self, dims: Sequence[int], me: int) -> None:
         self._dims = list(dims)
         self._me = me
-        self._width = sum(self._dims)
+        self.width = sum(self._dims)
         self._owners = [r for r, d in enumerate(self._dims) if d > 0]
         self.col_offsets: List[int] = [sum(self._dims[:r]) for r in range(len(self._dims))]
 
     def put(self, transport: Transport, buffer: SymmetricBuffer, requester: int, base: int, rows: torch.Tensor) -> None:
         elem = rows.element_size()
-        transport.put_rows(buffer, requester, base + self.col_offsets[self._me] * elem, self._width * elem, rows)
+        transport.put_rows(buffer, requester, base + self.col_offsets[self._me] * elem, self.width * elem, rows)
 
-    def take(self, box: Mailbox, step: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(
+        self, box: Mailbox, step: int, batch: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         for owner in self._owners:
             box.wait(owner, step)
-        nbytes = batch * self._width * torch.empty((), dtype=dtype).element_size()
-        out = box.slot(self._me, step)[:nbytes].view(dtype).view(batch, self._width).clone()
+        nbytes = batch * self.width * torch.empty((), dtype=dtype).element_size()
+        slot = box.slot(self._me, step)[:nbytes].view(dtype).view(batch, self.width)
+        out = slot.clone() if out is None else out.copy_(slot)
         for owner in self._owners:
             box.release(owner, step)
         return out
@@ -125,17 +133,19 @@ class PartialSumOutput:
 
     def __init__(self, world_size: int, width: int) -> None:
         self._world = world_size
-        self._width = width
+        self.width = width
         self.col_offsets: List[int] = [0] * world_size  # every owner covers every column
 
     def put(self, transport: Transport, buffer: SymmetricBuffer, requester: int, base: int, rows: torch.Tensor) -> None:
         transport.put(buffer, requester, base, rows)
 
-    def take(self, box: Mailbox, step: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = batch * self._width * torch.empty((), dtype=dtype).element_size()
-        out = torch.zeros(batch, self._width, dtype=dtype)
+    def take(
+        self, box: Mailbox, step: int, batch: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        nbytes = batch * self.width * torch.empty((), dtype=dtype).element_size()
+        out = torch.zeros(batch, self.width, dtype=dtype) if out is None else out.zero_()
         for owner in range(self._world):
             box.wait(owner, step)
-            out += box.slot(owner, step)[:nbytes].view(dtype).view(batch, self._width)
+            out += box.slot(owner, step)[:nbytes].view(dtype).view(batch, self.width)
             box.release(owner, step)
         return out

@@ -42,6 +42,11 @@ class MeanAfterSum:
         self._index: Optional[torch.Tensor] = None
         self._divisors: Deque[Optional[torch.Tensor]] = collections.deque()
 
+    @property
+    def divides(self) -> bool:
+        """Whether some feature pools by mean (its batches get divisors)."""
+        return self._any_mean
+
     def divisor(self, kjt: KeyedJaggedTensor, positions: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
         """``[batch, sum of dims]`` for a batch in which the sharding's feature ``i`` is
         at ``positions[i]`` (None: the sharding's features in order; other features of

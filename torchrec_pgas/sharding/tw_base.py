@@ -104,6 +104,10 @@ class BaseTwExchange:
         # The error of a set-up (buffers) that failed: every later call raises it.
         self._setup_error: Optional[BaseException] = None
 
+    def _divides(self) -> bool:
+        """Whether this sharding divides its output (row-wise mean pooling)."""
+        return self._mean is not None and self._mean.divides
+
     @property
     def sent_steps(self) -> int:
         """How many steps this rank has sent."""

@@ -84,6 +84,7 @@ from torchrec_pgas.sharding.device_batch import (
     send_input,
 )
 from torchrec_pgas.sharding.device_routing import MAX_RUNS
+from torchrec_pgas.sharding.exchange import OutputSpec, check_dest
 from torchrec_pgas.sharding.fused_update import GroupUpdate, PendingUpdate
 from torchrec_pgas.sharding.tw_device_setup import DeviceTwSetup
 from torchrec_pgas.transport import PgasError
@@ -255,7 +256,7 @@ class DeviceTwExchange(DeviceTwSetup):
             return None
         self._out_step += 1
         route = batch.route
-        route.out = self._new_output(route.out_rows)
+        route.out = self._new_output(route)
         route.out_stream = driver.active.get_current_stream(self._dev.index)
         lookup_put(
             buffers.ids,
@@ -315,7 +316,7 @@ class DeviceTwExchange(DeviceTwSetup):
         me, out = self._me, self._output
         pooled, route.out = route.out, None  # the route may live on (autograd): not the output
         if pooled is None:
-            pooled = self._new_output(route.out_rows)
+            pooled = self._new_output(route)
         elif route.out_stream != driver.active.get_current_stream(self._dev.index):
             # A lookup on another stream: its stores into the output come before the
             # take (which need not wait for them once the step is known bad).
@@ -374,9 +375,18 @@ class DeviceTwExchange(DeviceTwSetup):
             self._keep(self._errors.finished(self._out_step, wait=False))
         return pooled
 
-    def _new_output(self, rows: int) -> torch.Tensor:
-        """This rank's output of a step, ``[rows, dim]``."""
-        return torch.empty(rows, self._output.dim, dtype=self._out_dtype, device=self._dev)
+    def output_spec(self, route: DeviceRoute) -> OutputSpec:
+        """This rank's output of the step of ``route`` (``Exchange.output_spec``)."""
+        return OutputSpec(route.out_rows, self._output.dim, self._out_dtype, self._dev, self._divides())
+
+    def _new_output(self, route: DeviceRoute) -> torch.Tensor:
+        """This rank's output of a step, ``[route.out_rows, dim]``: ``route.dest`` if the
+        module gave one, else a new tensor."""
+        shape = (route.out_rows, self._output.dim)
+        if route.dest is None:
+            return torch.empty(shape, dtype=self._out_dtype, device=self._dev)
+        check_dest(route.dest, shape, self._out_dtype, self._name)
+        return route.dest
 
     # -------------------------------------------------------------- gradients
 

@@ -28,20 +28,22 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.kernels.ids_slot import Header, IdsSlotLayout, Status
-from torchrec_pgas.sharding.exchange import HostBatch
+from torchrec_pgas.sharding.exchange import HostBatch, OutputSpec, check_dest
 from torchrec_pgas.sharding.host_routing import ColumnBlockOutput, HostIdsRouting, HostOutput, TableWiseHostIds
 from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError
 from torchrec_pgas.transport import Mailbox, Transport
 
 
-@dataclass(frozen=True)
+@dataclass
 class Route:
     """What the output and gradient exchanges of one step need from its input:
-    every source's batch size, and what this rank's summed output is divided by (mean
-    pooling of row-wise partial sums), if anything."""
+    every source's batch size, what this rank's summed output is divided by (mean
+    pooling of row-wise partial sums), if anything, and where it goes, if the module
+    says (``StepRoute``)."""
 
     batch_sizes: List[int]
     divisor: Optional[torch.Tensor] = None
+    dest: Optional[torch.Tensor] = None
 
 
 class TwExchange(BaseTwExchange):
@@ -229,6 +231,11 @@ class TwExchange(BaseTwExchange):
 
     # ---------------------------------------------------------- pooled forward
 
+    def output_spec(self, route: Route) -> OutputSpec:
+        """This rank's output of the step of ``route`` (``Exchange.output_spec``)."""
+        rows = route.batch_sizes[self._t.rank]
+        return OutputSpec(rows, self._output.width, self._out_dtype, self._t.device, self._divides())
+
     def exchange_pooled(self, local_embs: torch.Tensor, route: Route) -> torch.Tensor:
         """Puts each requester's pooled rows into its output slot; returns this rank's
         output (``output`` says where the rows go and how they are combined)."""
@@ -244,7 +251,10 @@ class TwExchange(BaseTwExchange):
                 base = box.begin_send(requester, step)
                 self._output.put(self._t, box.buffer, requester, base, block)
                 box.end_send(requester, step)
-        return self._output.take(box, step, route.batch_sizes[me], self._out_dtype)
+        rows = route.batch_sizes[me]
+        if route.dest is not None:
+            check_dest(route.dest, (rows, self._output.width), self._out_dtype, self._name)
+        return self._output.take(box, step, rows, self._out_dtype, route.dest)
 
     # ---------------------------------------------------------------- backward
 
