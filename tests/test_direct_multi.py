@@ -566,6 +566,16 @@ def _step_counts(ebc) -> List[tuple]:
     return [(x._send_step, x._recv_step, x._out_step, x._grad_step) for x in ebc._pgas_exchanges]
 
 
+def _raised_alike(message: str, ebc, world_size: int) -> None:
+    """Every rank raised ``message``, and no sharding of ``ebc`` is a step ahead of
+    another (on any rank)."""
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (message, _step_counts(ebc)))
+    assert all(e == everyone[0] for e in everyone), everyone
+    counts = everyone[0][1]
+    assert all(c == counts[0] for c in counts), counts
+
+
 def _second_sharding_raises(rank, world_size, stage, weighted):
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
     for seed in range(2):
@@ -619,12 +629,7 @@ def _second_sharding_raises(rank, world_size, stage, weighted):
             # raises there leaves the later shardings' lookups unrun.
             assert log == ["lookup 0", "output 0", "lookup 1", "output 1"], log
         assert names[0] not in str(info.value)
-        # Every rank raised the same, and no sharding is a step ahead of the other.
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, (str(info.value), _step_counts(ebc)))
-        assert all(e == everyone[0] for e in everyone), everyone
-        counts = everyone[0][1]
-        assert counts[0] == counts[1], counts
+        _raised_alike(str(info.value), ebc, world_size)
         # The next steps are right on every rank, forward and training, and so are the
         # trained weights.
         good(3, train=False)

@@ -17,6 +17,7 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 pytestmark = pytest.mark.gpu
 
@@ -35,9 +36,10 @@ from dist_utils import (  # noqa: E402
     shared_gpu_options,
 )
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
-from test_direct_multi import _long_first_bag, _step_counts  # noqa: E402
+from test_direct_multi import _long_first_bag, _raised_alike  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType  # noqa: E402
 from torchrec.distributed import embeddingbag  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from torchrec_pgas.graphs import raise_errors  # noqa: E402
 from torchrec_pgas.sharder import PgasEmbeddingBagCollectionSharder  # noqa: E402
@@ -164,23 +166,35 @@ def _train(rank: int, world_size: int) -> None:
     tables, ref, gpu, host = _pair(world_size, False, fused)
     keys = ORDERS["scattered"]
     for step in range(4):
-        kjt = in_order(random_kjt(tables, [12, 5][rank], 300 + 10 * step + rank), keys)
-        outs = []
-        for model, dev in ((gpu, GPU), (host, CPU)):
-            kt = model(kjt.to(dev)).to_dict()
-            g = torch.Generator().manual_seed(step)
-            sum((kt[k] * torch.randn(kt[k].shape, generator=g).to(dev)).sum() for k in sorted(kt)).backward()
-            outs.append({k: v.detach().cpu() for k, v in kt.items()})
-        for k in outs[1]:
-            torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-6, atol=1e-6)
+        _step_matches_host(gpu, host, in_order(random_kjt(tables, [12, 5][rank], 300 + 10 * step + rank), keys), step)
     _assert_direct(gpu, keys)
+    _trained_like_host(ref, gpu, host)
+    dist.barrier()
+
+
+def _step_matches_host(gpu: nn.Module, host: nn.Module, kjt: KeyedJaggedTensor, step: int, train: bool = True) -> None:
+    """One step of ``kjt`` on both models (in training, a backward of a random
+    gradient seeded by ``step``): their outputs agree to fp32 rounding."""
+    outs = []
+    for model, dev in ((gpu, GPU), (host, CPU)):
+        with torch.set_grad_enabled(train):
+            kt = model(kjt.to(dev)).to_dict()
+            if train:
+                g = torch.Generator().manual_seed(step)
+                sum((kt[k] * torch.randn(kt[k].shape, generator=g).to(dev)).sum() for k in sorted(kt)).backward()
+        outs.append({k: v.detach().cpu() for k, v in kt.items()})
+    for k in outs[1]:
+        torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-6, atol=1e-6, msg=(step, k))
+
+
+def _trained_like_host(ref: nn.Module, gpu: nn.Module, host: nn.Module) -> None:
+    """Both models' trained weights agree to fp32 rounding, and training moved them."""
     like = ref.state_dict()
     w_gpu = gather_unsharded_state_dict(gpu, like, prefix="ebc.")
     w_host = gather_unsharded_state_dict(host, like, prefix="ebc.")
     for name in w_host:
         torch.testing.assert_close(w_gpu[name].cpu(), w_host[name], rtol=1e-6, atol=1e-6)
         assert not torch.equal(w_host[name], like[name]), f"{name} was not trained"
-    dist.barrier()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -202,16 +216,7 @@ def _second_sharding_raises(rank: int, world_size: int) -> None:
     def good(step: int, train: bool = True) -> None:
         # The oracle, the same plan on the host transport, never sees the bad batch.
         kjt = in_order(random_kjt(tables, [12, 5][rank] + step, 700 + 10 * step + rank), keys)
-        outs = []
-        for model, dev in ((gpu, GPU), (host, CPU)):
-            with torch.set_grad_enabled(train):
-                kt = model(kjt.to(dev)).to_dict()
-                if train:
-                    g = torch.Generator().manual_seed(step)
-                    sum((kt[k] * torch.randn(kt[k].shape, generator=g).to(dev)).sum() for k in sorted(kt)).backward()
-            outs.append({k: v.detach().cpu() for k, v in kt.items()})
-        for k in outs[1]:
-            torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-6, atol=1e-6, msg=(step, k))
+        _step_matches_host(gpu, host, kjt, step, train)
 
     good(0)
     good(1)
@@ -225,22 +230,13 @@ def _second_sharding_raises(rank: int, world_size: int) -> None:
     with torch.enable_grad(), pytest.raises(PgasInputError, match=message) as info:
         gpu(bad.to(GPU))
     assert names[0] not in str(info.value)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, (str(info.value), _step_counts(ebc)))
-    assert all(e == everyone[0] for e in everyone), everyone
-    counts = everyone[0][1]
-    assert counts[0] == counts[1], counts
+    _raised_alike(str(info.value), ebc, world_size)
     good(2, train=False)
     good(3)
     good(4)
     raise_errors(gpu, wait=True)
     _assert_direct(gpu, keys)
-    like = ref.state_dict()
-    w_gpu = gather_unsharded_state_dict(gpu, like, prefix="ebc.")
-    w_host = gather_unsharded_state_dict(host, like, prefix="ebc.")
-    for name in w_host:
-        torch.testing.assert_close(w_gpu[name].cpu(), w_host[name], rtol=1e-6, atol=1e-6)
-        assert not torch.equal(w_host[name], like[name]), f"{name} was not trained"
+    _trained_like_host(ref, gpu, host)
     dist.barrier()
 
 
