@@ -48,11 +48,11 @@ def test_forward_matches_the_float64_reference(world_size, pooling, weighted, ba
     run_ranks(_forward, world_size, pooling=pooling, weighted=weighted, batch_sizes=batch_sizes)
 
 
-def _train(rank, world_size, pooling, batch_sizes):
+def _train(rank, world_size, pooling, batch_sizes, tables=None):
     """EXACT_SGD on pgas_row_wise against plain SGD on the unsharded module, fed every
     rank's batch: the same update up to float rounding."""
     lr = 0.1
-    tables = make_tables(3, seed=9, pooling=pooling)
+    tables = tables or make_tables(3, seed=9, pooling=pooling)
     torch.manual_seed(9)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     sharder = PgasEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr})
@@ -104,6 +104,33 @@ def _empty_shard(rank, world_size):
 
 def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
     run_ranks(_empty_shard, 3)
+
+
+def _one_row_tables(first_rows, second_rows):
+    from torchrec import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=first_rows, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=second_rows, feature_names=["f1"]),
+    ]
+
+
+def _empty_last_table(rank, world_size):
+    # One lookup group (same dim and pooling) whose last table, of 1 row, leaves rank 1
+    # none: FBGEMM's CPU backward would read past the group's row offsets there.
+    tables = _one_row_tables(10, 1)
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"table\(s\) \['t1'\] get no rows on rank 1 .* end their lookup group there"):
+        shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
+
+
+def test_an_empty_row_shard_ending_its_lookup_group_is_refused_on_every_rank():
+    run_ranks(_empty_last_table, 2)
+
+
+def test_an_empty_row_shard_before_others_of_its_group_trains_right():
+    # The same tables in the other order: rank 1's empty table comes first, and trains.
+    run_ranks(_train, 2, pooling=PoolingType.SUM, batch_sizes=[4, 3], tables=_one_row_tables(1, 10))
 
 
 def _empty_group(rank, world_size):

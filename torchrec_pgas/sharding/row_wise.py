@@ -25,10 +25,13 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 def _refuse_empty_cpu_lookups(configs_per_rank: List[List[Any]]) -> None:
     """Row blocks are ``ceil(rows / world)``, so a small table can leave a rank no rows.
     FBGEMM's CPU lookup then fails on that rank alone when every table of a lookup
-    group is empty there (no weights at all), and its CPU backward updates the wrong
-    rows of the group's other tables when their dims differ (the forward is right):
-    refuse such plans, on every rank (the plan is the same everywhere), rather than
-    fail on one rank or train silently wrong."""
+    group is empty there (no weights at all); its CPU backward updates the wrong
+    rows of the group's other tables when their dims differ (the forward is right);
+    and where the group's last table is empty, its CPU backward, which looks past an
+    empty table for the next one's first row, reads past the end of the group's
+    ``hash_size_cumsum`` (on that rank alone it then raises, or not, as the memory
+    there has it). Refuse such plans, on every rank (the plan is the same everywhere),
+    rather than fail on one rank or train silently wrong."""
     for rank, configs in enumerate(configs_per_rank):
         for config in configs:
             tables = config.embedding_tables
@@ -41,6 +44,8 @@ def _refuse_empty_cpu_lookups(configs_per_rank: List[List[Any]]) -> None:
                 )
             elif len({t.local_cols for t in tables}) > 1:
                 why = "and share a lookup with tables of other dims, which FBGEMM's CPU backward updates wrongly"
+            elif tables[-1].local_rows == 0:
+                why = "and end their lookup group there, where FBGEMM's CPU backward reads past the group's row offsets"
             else:
                 continue
             raise ValueError(
