@@ -106,19 +106,20 @@ def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
     run_ranks(_empty_shard, 3)
 
 
-def _one_row_tables(first_rows, second_rows):
+def _same_group_tables(t0_rows, t1_rows):
+    """Two tables of one lookup group (same dim and pooling), t0 first."""
     from torchrec import EmbeddingBagConfig
 
     return [
-        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=first_rows, feature_names=["f0"]),
-        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=second_rows, feature_names=["f1"]),
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=t0_rows, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=t1_rows, feature_names=["f1"]),
     ]
 
 
 def _empty_last_table(rank, world_size):
     # One lookup group (same dim and pooling) whose last table, of 1 row, leaves rank 1
     # none: FBGEMM's CPU backward would read past the group's row offsets there.
-    tables = _one_row_tables(10, 1)
+    tables = _same_group_tables(10, 1)
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"table\(s\) \['t1'\] get no rows on rank 1 .* end their lookup group there"):
         shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
@@ -130,7 +131,7 @@ def test_an_empty_row_shard_ending_its_lookup_group_is_refused_on_every_rank():
 
 def test_an_empty_row_shard_before_others_of_its_group_trains_right():
     # The same tables in the other order: rank 1's empty table comes first, and trains.
-    run_ranks(_train, 2, pooling=PoolingType.SUM, batch_sizes=[4, 3], tables=_one_row_tables(1, 10))
+    run_ranks(_train, 2, pooling=PoolingType.SUM, batch_sizes=[4, 3], tables=_same_group_tables(1, 10))
 
 
 def _empty_group(rank, world_size):
