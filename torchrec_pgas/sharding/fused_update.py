@@ -1,7 +1,9 @@
 """The owner's training step without FBGEMM's backward: the lookup pools straight from
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
 fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
-a stable sort, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
+a stable sort, ``kernels/sort_order``; or on GPUs, where the rows fit int32 and the ids
+are unweighted, FBGEMM's ``transpose_embedding_input`` with ``kernels/transpose_bags``
+and ``kernels/transposed_ids``), the backward steps the rows (``kernels/step_verdict``,
 ``kernels/row_update``, ``kernels/run_groups``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
