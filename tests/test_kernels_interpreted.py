@@ -1579,8 +1579,9 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed, transposed, monk
     capacity padded past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
     batch's ids (1e-6) over three steps whose learning rate changes (through the fused
     optimizer, through FBGEMM's module), and a bad step's record updates neither.
-    ``transposed``: the groups' ids take ``transpose_sort`` (as on GPUs, int32 ids),
-    FBGEMM's op emulated by ``_transpose_embedding_input``."""
+    The ids are int32, as ``ids_dtype`` gives them; ``transposed``: they take
+    ``transpose_sort`` (as on GPUs), FBGEMM's op emulated by
+    ``_transpose_embedding_input``."""
     import copy
     from types import SimpleNamespace
 
@@ -1632,7 +1633,7 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed, transposed, monk
     kjts = [
         KeyedJaggedTensor(
             keys=[f"f{f}" for f in range(len(o) - 1)],
-            values=padded.to(ids_dtype if transposed else torch.int64),
+            values=padded.to(ids_dtype),
             offsets=o,
         )
         for (_, o, padded) in batches

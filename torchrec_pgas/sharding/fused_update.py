@@ -311,7 +311,7 @@ class FusedUpdate:
                 continue
             packed = packs(group.keys, bags_per_feature, pitch)
             keys = torch.empty(n, dtype=group.keys, device=dev)
-            src = torch.empty_like(indices)
+            src = torch.empty(n, dtype=torch.int64, device=dev)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
             update_keys(
                 offsets,
