@@ -1488,6 +1488,17 @@ def test_transpose_info_bits_refuses_what_int32_infos_cannot_hold():
     assert transpose_info_bits(2**14 - 1, 2**17) is None
 
 
+def test_update_ids_are_int32_where_every_group_keys_by_int32():
+    from types import SimpleNamespace
+
+    from torchrec_pgas.sharding.fused_update import FusedUpdate
+
+    update = FusedUpdate(enabled=True, weighted=False, device=torch.device("cpu"))
+    small, large = SimpleNamespace(keys=torch.int32), SimpleNamespace(keys=torch.int64)
+    assert update.ids_dtype([small, small]) == torch.int32
+    assert update.ids_dtype([small, large]) == torch.int64
+
+
 @triton.jit
 def _row_places(tables, table_index, keys, out, TABLE_WORDS: tl.constexpr):
     """Each position's ``row_place`` (weights offset, dim, state index), as a row of ``out``."""
