@@ -15,8 +15,8 @@ extra feature's ``bags_per_feature`` bags, since the op walks each bag's ids wit
 warp.
 
 Program ``p`` takes positions ``p * BLOCK ...`` of each of the three outputs' ranges
-(every tensor is int32, as the op reads the indices, offsets and ``hash_size_cumsum``
-in one dtype, and int32 keys halve the sort's traffic).
+(the indices and offsets are int32: the op reads both in one dtype, and keys of the
+indices' dtype, which in int32 halve the sort's traffic).
 
 Buffers:
     offsets:     int64 [bags + 1]  the group's bag offsets, feature-major,

@@ -63,7 +63,7 @@ def _sorted_both_ways(seed: int, table_rows, table_of, bags_per_feature: int, ma
     sort_order(keys, order, rows, offsets, src, scale, tables, *theirs, scaled, False)
 
     bits = transpose_info_bits(F, B)
-    hash_size_cumsum = torch.tensor([first[table_of[f]] for f in range(F)] + [rows, rows], dtype=torch.int32)
+    hash_size_cumsum = torch.tensor([first[table_of[f]] for f in range(F)] + [rows, rows])
     sorted_keys, infos, offsets_out = transpose_sort(
         hash_size_cumsum.to(GPU), rows, offsets, values.to(torch.int32), B, bits
     )

@@ -1361,7 +1361,8 @@ def _transpose_embedding_input(hash_size_cumsum, total_bits, indices, offsets, n
     ``total_bits`` bits. Positions no bag covers keep what their memory held
     (``_UNKEYED`` here)."""
     assert not nobag and vbe is None and b_mask == (1 << b_bits) - 1
-    assert hash_size_cumsum.dtype == indices.dtype == offsets.dtype == torch.int32
+    # FBGEMM reads ``hash_size_cumsum`` as int64 whatever the ids' dtype (and checks it).
+    assert hash_size_cumsum.dtype == torch.int64 and indices.dtype == offsets.dtype == torch.int32
     T = hash_size_cumsum.numel() - 1
     B = (offsets.numel() - 1) // T
     assert B * T == offsets.numel() - 1
@@ -1402,7 +1403,7 @@ def test_transpose_bags_covers_every_position(k, seed, monkeypatch):
     assert int(ends[-1]) == n and bool((sizes >= 0).all())
     assert int(sizes.max()) <= -(-(n - ids) // B)
     assert torch.equal(indices[:ids], original[:ids]) and bool((indices[ids:] == 0).all())
-    first_rows = torch.tensor([0, 9, 18, 27, 27], dtype=torch.int32)  # the extra feature's: 27 rows
+    first_rows = torch.tensor([0, 9, 18, 27, 27])  # the extra feature's: 27 rows
     keys, *_ = _transpose_embedding_input(first_rows, 5, indices, out, False, None, 3, 7)
     assert bool((keys[ids:] == 27).all()) and bool((keys[:ids] < 27).all())
 
@@ -1459,7 +1460,7 @@ def test_transposed_ids_equal_the_other_sort(k, seed, scaled, monkeypatch):
     ids32 = indices.to(torch.int32)
     out_offsets = torch.empty(offsets.numel() + B, dtype=torch.int32)
     k.transpose_bags.transpose_bags(offsets, ids32, out_offsets, B)
-    hash_size_cumsum = torch.tensor(first_rows + [rows, rows], dtype=torch.int32)
+    hash_size_cumsum = torch.tensor(first_rows + [rows, rows])
     _, sorted_keys, infos, *_ = _transpose_embedding_input(
         hash_size_cumsum, rows.bit_length(), ids32, out_offsets, False, None, bits, (1 << bits) - 1
     )
@@ -1638,7 +1639,7 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed, transposed, monk
     if transposed:
         monkeypatch.setattr(torch.ops.fbgemm, "transpose_embedding_input", _transpose_embedding_input)
         for group in groups:
-            group.transposed = torch.tensor(group.tbe.hash_size_cumsum.tolist() + [group.rows], dtype=torch.int32)
+            group.transposed = torch.tensor(group.tbe.hash_size_cumsum.tolist() + [group.rows])
     ids_dtype = update.ids_dtype(groups)
     assert ids_dtype == torch.int32
     kjts = [

@@ -65,7 +65,7 @@ class GroupUpdate:
     the lookup has none), the hyper-parameters the kernels read (``hyper``, float32
     [HYPER_WORDS], see ``kernels/row_step``) with the values last written there, and
     where its ids take FBGEMM's ``transpose_embedding_input`` (``transpose_sort``), the
-    op's ``hash_size_cumsum`` (``transposed``, int32 [F + 2]: each feature's first row,
+    op's ``hash_size_cumsum`` (``transposed``, int64 [F + 2]: each feature's first row,
     then the extra feature's, ``rows``, and the end; see ``kernels/transpose_bags``)."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
@@ -246,7 +246,7 @@ class FusedUpdate:
         only where every row fits int32, and keeps no per-sample weights."""
         if self._dev.type != "cuda" or self._weighted or key_dtype(rows) != torch.int32:
             return None
-        return torch.tensor(first_rows + [rows], dtype=torch.int32, device=self._dev)
+        return torch.tensor(first_rows + [rows], dtype=torch.int64, device=self._dev)
 
     def ids_dtype(self, groups: Sequence[GroupUpdate]) -> torch.dtype:
         """The dtype of the index tensors ``prepare`` reads: int32 where every group's
