@@ -285,12 +285,7 @@ class FusedUpdate:
                 keys, infos, offsets_out = transpose_sort(
                     group.transposed, group.rows, offsets, indices, bags_per_feature, bits
                 )
-                ids = SortedIds(
-                    torch.empty_like(keys),
-                    torch.empty(n, dtype=torch.int64, device=dev),
-                    torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights,
-                    torch.empty(n, dtype=torch.int32, device=dev),
-                )
+                ids = self._sorted_ids(n, keys.dtype, scaled, dev)
                 transposed_ids(
                     keys,
                     infos,
@@ -329,12 +324,7 @@ class FusedUpdate:
                 packed,
             )
             order = sort_positions(keys, group.rows)
-            ids = SortedIds(
-                torch.empty_like(keys),
-                torch.empty_like(src),
-                torch.empty_like(scale) if scaled else scale,
-                torch.empty(n, dtype=torch.int32, device=dev),
-            )
+            ids = self._sorted_ids(n, keys.dtype, scaled, dev)
             sort_order(
                 keys,
                 order,
@@ -352,6 +342,16 @@ class FusedUpdate:
             )
             prepared.append(ids)
         return prepared
+
+    def _sorted_ids(self, n: int, keys: torch.dtype, scaled: bool, device: torch.device) -> SortedIds:
+        """The arrays of ``n`` sorted positions either sort fills (``keys`` their keys'
+        dtype; a scale per position only if ``scaled``)."""
+        return SortedIds(
+            torch.empty(n, dtype=keys, device=device),
+            torch.empty(n, dtype=torch.int64, device=device),
+            torch.empty(n, dtype=torch.float32, device=device) if scaled else self._no_weights,
+            torch.empty(n, dtype=torch.int32, device=device),
+        )
 
     def apply(
         self,
