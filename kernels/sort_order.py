@@ -126,6 +126,12 @@ def sort_order_kernel(
     tl.store(table_out_ptr + p, table_of(tables_ptr, key, inside, num_tables, TABLE_WORDS), mask=inside)
 
 
+def check_tables(tables: torch.Tensor) -> None:
+    """Raises unless ``tables`` is what ``table_of`` reads: [T >= 1, TABLE_WORDS]."""
+    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
+        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
+
+
 _launcher = Launcher(sort_order_kernel)
 
 
@@ -150,8 +156,7 @@ def sort_order(
     n = order.numel()
     if n == 0:
         return
-    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
-        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
+    check_tables(tables)
     _launcher[(cdiv(n, BLOCK),)](
         keys,
         order,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from torchrec_pgas.kernels.launch import Launcher, cdiv
-from torchrec_pgas.kernels.sort_order import TABLE_WORDS, table_of
+from torchrec_pgas.kernels.sort_order import TABLE_WORDS, check_tables, table_of
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, sentinel
 
 BLOCK = 1024
@@ -114,8 +114,7 @@ def transposed_ids(
     n = keys.numel()
     if n == 0:
         return
-    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
-        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
+    check_tables(tables)
     _launcher[(cdiv(n, BLOCK),)](
         keys,
         infos,
