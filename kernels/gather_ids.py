@@ -13,7 +13,7 @@ Buffers:
                (float32) at ``weights_offset`` of each slot, feature-major
     step:      int64 [1]  the ids step
     offsets:   int64 [num_features * S * batch_capacity + 1]  the batch's bag offsets
-    indices:   int64 [>= the group's ids]   out
+    indices:   int64 or int32 [>= the group's ids]   out (int32: the ids fit it)
     weights:   float32 [>= the group's ids] out (only with HAS_WEIGHTS)
 """
 

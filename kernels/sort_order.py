@@ -68,6 +68,21 @@ def row_place(tables_ptr, table, key, mask, TABLE_WORDS: tl.constexpr):
     return at, dim, state_at
 
 
+@triton.jit
+def table_of(tables_ptr, key, mask, num_tables, TABLE_WORDS: tl.constexpr):
+    """The table (its row of ``tables``, int32) holding each row key of ``key`` (int64):
+    the last one whose first row is at most the key, by a binary search of the few
+    tables (``t`` and the ``size`` tables from it hold it)."""
+    t = key * 0
+    size = num_tables
+    while size > 1:
+        half = size // 2
+        up = tl.load(tables_ptr + (t + half) * TABLE_WORDS, mask=mask, other=0) <= key
+        t = tl.where(up, t + half, t)
+        size -= half
+    return t.to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["n", "rows", "num_tables", "bags"])
 def sort_order_kernel(
     keys_ptr,
@@ -108,16 +123,13 @@ def sort_order_kernel(
     tl.store(src_out_ptr + p, src, mask=inside)
     if SCALED:
         tl.store(scale_out_ptr + p, tl.load(scale_ptr + q, mask=inside, other=0.0), mask=inside)
-    # The last table whose first row is at most the key: ``t`` and the ``size`` tables
-    # from it hold it.
-    t = p * 0
-    size = num_tables
-    while size > 1:
-        half = size // 2
-        up = tl.load(tables_ptr + (t + half) * TABLE_WORDS, mask=inside, other=0) <= key
-        t = tl.where(up, t + half, t)
-        size -= half
-    tl.store(table_out_ptr + p, t.to(tl.int32), mask=inside)
+    tl.store(table_out_ptr + p, table_of(tables_ptr, key, inside, num_tables, TABLE_WORDS), mask=inside)
+
+
+def check_tables(tables: torch.Tensor) -> None:
+    """Raises unless ``tables`` is what ``table_of`` reads: [T >= 1, TABLE_WORDS]."""
+    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
+        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
 
 
 _launcher = Launcher(sort_order_kernel)
@@ -144,8 +156,7 @@ def sort_order(
     n = order.numel()
     if n == 0:
         return
-    if tables.dim() != 2 or tables.size(0) == 0 or tables.size(1) != TABLE_WORDS:
-        raise ValueError(f"tables must be [T >= 1, {TABLE_WORDS}], got {list(tables.shape)}")
+    check_tables(tables)
     _launcher[(cdiv(n, BLOCK),)](
         keys,
         order,

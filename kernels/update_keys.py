@@ -38,7 +38,7 @@ host runs the rest of the step; whether the step is bad is decided in the backwa
 Buffers:
     offsets:   int64 [bags + 1]  the group's bag offsets, feature-major, ``bags_per_feature``
                bags per feature
-    indices:   int64 [N]  the group's ids (only ``[0, offsets[bags])`` are read)
+    indices:   int64 or int32 [N]  the group's ids (only ``[0, offsets[bags])`` are read)
     weights:   float32 [N]  per-sample weights (read with ``WEIGHTED``)
     features:  int64 [F, FEATURE_WORDS]  per feature of the group: its table's first row
                in the group's rows, its column in the gradient, mean pooling (0/1)

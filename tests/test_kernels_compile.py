@@ -47,6 +47,8 @@ from torchrec_pgas.kernels.run_update import run_update_kernel  # noqa: E402
 from torchrec_pgas.kernels.signal_wait import signal_wait_kernel  # noqa: E402
 from torchrec_pgas.kernels.sort_order import TABLE_WORDS, sort_order_kernel  # noqa: E402
 from torchrec_pgas.kernels.step_verdict import step_verdict_kernel  # noqa: E402
+from torchrec_pgas.kernels.transpose_bags import transpose_bags_kernel  # noqa: E402
+from torchrec_pgas.kernels.transposed_ids import transposed_ids_kernel  # noqa: E402
 from torchrec_pgas.kernels.update_keys import FEATURE_WORDS, update_keys_kernel  # noqa: E402
 
 
@@ -413,6 +415,36 @@ CASES = {
             for packed in (False, True)
         ],
     ),
+    "transpose_bags": (
+        transpose_bags_kernel,
+        {"offsets_ptr": "*i64", "indices_ptr": "*i32", "offsets_out_ptr": "*i32"},
+        [{"BLOCK": 1024}],
+    ),
+    "transposed_ids": (
+        transposed_ids_kernel,
+        {
+            "keys_ptr": "*i32",
+            "infos_ptr": "*i32",
+            "offsets_ptr": "*i32",
+            "features_ptr": "*i64",
+            "tables_ptr": "*i64",
+            "keys_out_ptr": "*i32",
+            "src_out_ptr": "*i64",
+            "scale_out_ptr": "*fp32",
+            "table_out_ptr": "*i32",
+        },
+        [
+            {
+                "B_BITS": 17,
+                "SENTINEL": 2**31 - 1,
+                "FEATURE_WORDS": FEATURE_WORDS,
+                "TABLE_WORDS": TABLE_WORDS,
+                "SCALED": scaled,
+                "BLOCK": 1024,
+            }
+            for scaled in (False, True)
+        ],
+    ),
     "step_verdict": (
         step_verdict_kernel,
         {"record_ptr": "*i64", "err_ptr": "*i64", "verdict_ptr": "*i64"},
@@ -502,6 +534,17 @@ CASES["update_keys_int64_keys"] = (
     update_keys_kernel,
     {**CASES["update_keys"][1], "keys_ptr": "*i64"},
     [c for c in CASES["update_keys"][2] if c["SCALED"] and c["WEIGHTED"] and not c["PACKED"]],
+)
+# The fused update's int32 copy of the ids (``FusedUpdate.ids_dtype``).
+CASES["update_keys_int32_ids"] = (
+    update_keys_kernel,
+    {**CASES["update_keys"][1], "indices_ptr": "*i32"},
+    [c for c in CASES["update_keys"][2] if c["SCALED"] and not c["WEIGHTED"]],
+)
+CASES["gather_ids_int32_ids"] = (
+    gather_ids_kernel,
+    {**CASES["gather_ids"][1], "indices_ptr": "*i32"},
+    [c for c in CASES["gather_ids"][2] if not c["HAS_WEIGHTS"]],
 )
 for _order in ("i32", "i64"):
     CASES[f"sort_order_int64_keys_{_order}_order"] = (

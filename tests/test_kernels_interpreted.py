@@ -74,6 +74,8 @@ def k():
         run_update,
         sort_order,
         step_verdict,
+        transpose_bags,
+        transposed_ids,
         update_keys,
     )
 
@@ -86,6 +88,7 @@ def k():
     Kernels.output_take, Kernels.update_keys, Kernels.row_update = output_take, update_keys, row_update
     Kernels.run_update, Kernels.step_verdict, Kernels.sort_order = run_update, step_verdict, sort_order
     Kernels.local_finish, Kernels.run_groups = local_finish, run_groups
+    Kernels.transpose_bags, Kernels.transposed_ids = transpose_bags, transposed_ids
     return Kernels
 
 
@@ -620,12 +623,13 @@ def test_owner_layout_and_gather_match_the_oracle(k, seed, monkeypatch):
     first = rnd.randint(0, F)
     for lo, hi in ((0, F), (0, first), (first, F)):
         begin, end = int(offsets[lo * S * cap]), int(offsets[hi * S * cap])
-        indices = torch.full((end - begin + 3,), -7, dtype=torch.int64)
+        # int32 ids (the fused update's, whose rows fit it) from a seed on.
+        indices = torch.full((end - begin + 3,), -7, dtype=torch.int32 if seed % 2 else torch.int64)
         weights = torch.zeros(end - begin + 3)
         k.gather_ids.gather_ids(
             mailbox.view(-1), record[at + 4 :], S, offsets, indices, weights, lo, hi - lo, layout, True
         )
-        assert torch.equal(indices[: end - begin], ids_all[begin:end]), (lo, hi)
+        assert torch.equal(indices[: end - begin].long(), ids_all[begin:end]), (lo, hi)
         assert torch.equal(weights[: end - begin], weights_all[begin:end]), (lo, hi)
         assert (indices[end - begin :] == -7).all(), "nothing past the group's ids is written"
 
@@ -1345,6 +1349,157 @@ def test_packed_words_sort_as_the_keys_and_gradient_rows_they_hold(k, scaled):
     assert int(src_out[:ids].max()) > 2**31 - pitch, "gradient rows near the bound unpack as they were"
 
 
+#: What FBGEMM's ``transpose_embedding_input`` leaves in a position no bag covers.
+_UNKEYED = -7
+
+
+def _transpose_embedding_input(hash_size_cumsum, total_bits, indices, offsets, nobag, vbe, b_bits, b_mask):
+    """FBGEMM's ``transpose_embedding_input`` (CUDA only) as its source reads, for the
+    arguments ``fused_update.transpose_sort`` gives it: each id of bag ``b`` of feature
+    ``t`` keyed ``hash_size_cumsum[t] + id`` with the value ``t << b_bits | b`` (bags
+    feature-major, as many per feature), then a stable sort over the keys' low
+    ``total_bits`` bits. Positions no bag covers keep what their memory held
+    (``_UNKEYED`` here)."""
+    assert not nobag and vbe is None and b_mask == (1 << b_bits) - 1
+    # FBGEMM reads ``hash_size_cumsum`` as int64 whatever the ids' dtype (and checks it).
+    assert hash_size_cumsum.dtype == torch.int64 and indices.dtype == offsets.dtype == torch.int32
+    T = hash_size_cumsum.numel() - 1
+    B = (offsets.numel() - 1) // T
+    assert B * T == offsets.numel() - 1
+    keys = torch.full_like(indices, _UNKEYED)
+    infos = torch.full_like(indices, _UNKEYED)
+    for bag in range(T * B):
+        t, b = divmod(bag, B)
+        lo, hi = int(offsets[bag]), int(offsets[bag + 1])
+        keys[lo:hi] = hash_size_cumsum[t] + indices[lo:hi]
+        infos[lo:hi] = (t << b_bits) | b
+    order = torch.sort(keys.long() & ((1 << total_bits) - 1), stable=True)[1]
+    return keys, keys[order], infos[order], None, None, None, None
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_transpose_bags_covers_every_position(k, seed, monkeypatch):
+    """``transpose_bags`` copies the offsets and adds a feature whose bags cover the
+    positions past the ids, spread over its bags (none holds more than its share,
+    rounded up), with id 0 there; so FBGEMM's op keys every position: the ids by their
+    rows, the rest by the group's row count. Over blocks (of 16 here), empty bags, no
+    padding at all (seed 2), and more padding than bags."""
+    monkeypatch.setattr(k.transpose_bags, "BLOCK", 16)
+    g = torch.Generator().manual_seed(seed)
+    F, B = 3, 5 + seed
+    lengths = torch.randint(0, 4, (F * B,), generator=g)
+    lengths[torch.rand(F * B, generator=g) < 0.3] = 0
+    offsets = _offsets(lengths)
+    ids = int(offsets[-1])
+    n = ids + [37, 3, 0][seed]
+    indices = torch.cat([torch.randint(0, 9, (ids,), generator=g), torch.full((n - ids,), -5)]).to(torch.int32)
+    original = indices.clone()
+    out = torch.full((offsets.numel() + B,), -1, dtype=torch.int32)
+    k.transpose_bags.transpose_bags(offsets, indices, out, B)
+    assert torch.equal(out[: offsets.numel()].long(), offsets)
+    ends = out[offsets.numel() :].long()
+    sizes = torch.diff(torch.cat([offsets[-1:], ends]))
+    assert int(ends[-1]) == n and bool((sizes >= 0).all())
+    assert int(sizes.max()) <= -(-(n - ids) // B)
+    assert torch.equal(indices[:ids], original[:ids]) and bool((indices[ids:] == 0).all())
+    first_rows = torch.tensor([0, 9, 18, 27, 27])  # the extra feature's: 27 rows
+    keys, *_ = _transpose_embedding_input(first_rows, 5, indices, out, False, None, 3, 7)
+    assert bool((keys[ids:] == 27).all()) and bool((keys[:ids] < 27).all())
+
+
+@_interpreted
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_transposed_ids_equal_the_other_sort(k, seed, scaled, monkeypatch):
+    """``update_keys``, ``sort_positions`` and ``sort_order`` on one side, and on the
+    other ``transpose_bags``, FBGEMM's op (``_transpose_embedding_input``) and
+    ``transposed_ids``: the same keys, gradient rows, scales (mean pooling on some
+    features) and tables at every sorted position of the ids, the sentinel past them.
+    Features sharing a table, a table without rows, empty bags, hot rows, blocks of 16
+    with a partial last one, and gradient rows in a wider gradient (pitch)."""
+    from torchrec_pgas.sharding.fused_update import sort_positions, transpose_info_bits
+
+    monkeypatch.setattr(k.transpose_bags, "BLOCK", 16)
+    monkeypatch.setattr(k.transposed_ids, "BLOCK", 16)
+    g = torch.Generator().manual_seed(seed)
+    B, pitch = 4 + seed, 40
+    # Features 0 and 2 read table 0 (10 rows), 1 table 1 (empty: its bags are), 3 table 2 (6 rows).
+    first_rows, table_rows = [0, 10, 0, 10], [10, 0, 10, 6]
+    rows = 16
+    features = torch.tensor([[r, 8 * f, int(scaled and f % 2 == 0)] for f, r in enumerate(first_rows)])
+    tables = torch.tensor([[0, 0, 8, 0], [10, 80, 4, 10]])
+    F = len(first_rows)
+    lengths = torch.randint(0, 5, (F * B,), generator=g)
+    lengths[torch.rand(F * B, generator=g) < 0.3] = 0
+    lengths[B : 2 * B] = 0
+    offsets = _offsets(lengths)
+    ids = int(offsets[-1])
+    n = ids + 11
+    values = torch.cat(
+        [
+            torch.randint(0, max(table_rows[f], 1), (int(lengths[f * B : (f + 1) * B].sum()),), generator=g)
+            for f in range(F)
+        ]
+    )
+    values[torch.rand(ids, generator=g) < 0.3] = 1
+    indices = torch.cat([values, torch.randint(-3, 3, (n - ids,), generator=g)])
+    keys, src = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
+    scale = torch.empty(n) if scaled else torch.empty(1)
+    k.update_keys.update_keys(offsets, indices, scale, features, keys, src, scale, B, pitch, rows, scaled, False, False)
+    order = sort_positions(keys, rows)
+    expected = (
+        torch.full((n,), -1, dtype=torch.int32),
+        torch.full((n,), -1, dtype=torch.int64),
+        torch.full((n,), float("nan")) if scaled else scale,
+        torch.full((n,), -1, dtype=torch.int32),
+    )
+    k.sort_order.sort_order(keys, order, rows, offsets, src, scale, tables, *expected, scaled, False)
+
+    bits = transpose_info_bits(F, B)
+    ids32 = indices.to(torch.int32)
+    out_offsets = torch.empty(offsets.numel() + B, dtype=torch.int32)
+    k.transpose_bags.transpose_bags(offsets, ids32, out_offsets, B)
+    hash_size_cumsum = torch.tensor(first_rows + [rows, rows])
+    _, sorted_keys, infos, *_ = _transpose_embedding_input(
+        hash_size_cumsum, rows.bit_length(), ids32, out_offsets, False, None, bits, (1 << bits) - 1
+    )
+    got = (
+        torch.full((n,), -1, dtype=torch.int32),
+        torch.full((n,), -1, dtype=torch.int64),
+        torch.full((n,), float("nan")) if scaled else torch.empty(1),
+        torch.full((n,), -1, dtype=torch.int32),
+    )
+    k.transposed_ids.transposed_ids(
+        sorted_keys, infos, out_offsets, features, tables, *got, rows, B, pitch, bits, scaled
+    )  # fmt: skip
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    assert bool((got[0][ids:] == 2**31 - 1).all())
+    assert torch.equal(got[1][:ids], expected[1][:ids]) and torch.equal(got[3][:ids], expected[3][:ids])
+    if scaled:
+        assert torch.equal(got[2][:ids], expected[2][:ids])
+        assert bool((got[2][:ids] < 1).any()), "some bag of a mean-pooled feature holds several ids"
+
+
+def test_transpose_info_bits_refuses_what_int32_infos_cannot_hold():
+    from torchrec_pgas.sharding.fused_update import transpose_info_bits
+
+    assert transpose_info_bits(3, 1) == 1 and transpose_info_bits(3, 8) == 3 and transpose_info_bits(3, 9) == 4
+    assert transpose_info_bits(2**14 - 2, 2**17) == 17
+    assert transpose_info_bits(2**14 - 1, 2**17) is None
+
+
+def test_update_ids_are_int32_where_every_group_keys_by_int32():
+    from types import SimpleNamespace
+
+    from torchrec_pgas.sharding.fused_update import FusedUpdate
+
+    update = FusedUpdate(enabled=True, weighted=False, device=torch.device("cpu"))
+    small, large = SimpleNamespace(keys=torch.int32), SimpleNamespace(keys=torch.int64)
+    assert update.ids_dtype([small, small]) == torch.int32
+    assert update.ids_dtype([small, large]) == torch.int64
+
+
 @triton.jit
 def _row_places(tables, table_index, keys, out, TABLE_WORDS: tl.constexpr):
     """Each position's ``row_place`` (weights offset, dim, state index), as a row of ``out``."""
@@ -1427,14 +1582,18 @@ def test_sort_order_equals_indexing(k, n, scaled, key_dtype, packed, monkeypatch
 
 @_interpreted
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_update_of_several_groups_matches_fbgemm(k, seed, transposed, monkeypatch):
     """``FusedUpdate`` as the owner runs it: two lookup groups (``EXACT_SGD`` over two
     tables, ``EXACT_ROWWISE_ADAGRAD`` over one) read their columns of one gradient
     (the second group's after the first's; with seed 1 a column slice of a wider one,
     as a module with several sharding types gives each), from index tensors of fixed
     capacity padded past the batch's ids; each group's tables equal FBGEMM's backward of exactly the
     batch's ids (1e-6) over three steps whose learning rate changes (through the fused
-    optimizer, through FBGEMM's module), and a bad step's record updates neither."""
+    optimizer, through FBGEMM's module), and a bad step's record updates neither.
+    The ids are int32, as ``ids_dtype`` gives them; ``transposed``: they take
+    ``transpose_sort`` (as on GPUs), FBGEMM's op emulated by
+    ``_transpose_embedding_input``."""
     import copy
     from types import SimpleNamespace
 
@@ -1476,8 +1635,19 @@ def test_fused_update_of_several_groups_matches_fbgemm(k, seed):
     update = FusedUpdate(enabled=True, weighted=False, device=torch.device("cpu"))
     groups = update.groups(lookups)
     assert groups is not None and update.groups(lookups) is groups
+    assert all(group.transposed is None for group in groups), "FBGEMM's op runs on GPUs only"
+    if transposed:
+        monkeypatch.setattr(torch.ops.fbgemm, "transpose_embedding_input", _transpose_embedding_input)
+        for group in groups:
+            group.transposed = torch.tensor(group.tbe.hash_size_cumsum.tolist() + [group.rows])
+    ids_dtype = update.ids_dtype(groups)
+    assert ids_dtype == torch.int32
     kjts = [
-        KeyedJaggedTensor(keys=[f"f{f}" for f in range(len(o) - 1)], values=padded, offsets=o)
+        KeyedJaggedTensor(
+            keys=[f"f{f}" for f in range(len(o) - 1)],
+            values=padded.to(ids_dtype),
+            offsets=o,
+        )
         for (_, o, padded) in batches
     ]
     record = torch.zeros(S * HEADER_WORDS + 4, dtype=torch.int64)

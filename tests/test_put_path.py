@@ -355,8 +355,9 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
     exchange._update.enabled = True
     exchange._update.groups = lambda emb_modules: ["group"]
     exchange._fused.rows = lambda emb_modules: torch.empty(0, 4, dtype=torch.int64)
-    ids = [object()]
-    exchange._groups.kjts = lambda *args, **kwargs: ids
+    ids, gathered = [object()], []
+    exchange._update.ids_dtype = lambda groups: torch.int32
+    exchange._groups.kjts = lambda *args, **kwargs: gathered.append(kwargs) or ids
     calls = []
     tw_device_exchange.lookup_put = lambda *args, **kwargs: calls.append("lookup_put")
     tw_device_exchange.driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda index: 7))
@@ -381,6 +382,8 @@ def _training_lookup_keys_ids_for_backward(rank, world_size):
     assert route.grads_in_place is (world_size == 1) and route.out.shape == (5, sum(dims))
     assert out.shape == (rows, dims[rank]) and out.requires_grad
     assert calls == ["lookup_put", ("prepare", ["group"], ids, world_size * cap, dims[rank])], calls
+    # The update's copy of the ids, in the dtype it reads.
+    assert gathered == [{"exact": False, "for_update": True, "ids_dtype": torch.int32}], gathered
     out.backward(torch.ones(out.shape))
     assert calls[2:] == [("apply", ["group"], ["sorted"], (rows, dims[rank]), dims[rank], world_size)], calls
     if world_size == 1:

@@ -320,7 +320,13 @@ class LookupGroups:
         self._reused: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def kjts(
-        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, exact: bool, for_update: bool = False
+        self,
+        ids: torch.Tensor,
+        step: torch.Tensor,
+        offsets: torch.Tensor,
+        exact: bool,
+        for_update: bool = False,
+        ids_dtype: torch.dtype = torch.int64,
     ) -> List[KeyedJaggedTensor]:
         """The lookup groups' KJTs of a step, gathered from its slots (in ``ids``, the
         mailbox, at the generation of the step in ``step``, an int64 word). FBGEMM's
@@ -328,12 +334,13 @@ class LookupGroups:
         exactly the batch's ids, the one size this rank then reads back; else it has
         the slots' capacity, which FBGEMM's lookup reads only as far as the offsets
         say unless it reads past the bags (then always exact), and the fused update
-        (``for_update``) never does."""
+        (``for_update``, whose ids may be ``ids_dtype``) never does."""
         exact = exact or (self._exact_always and not for_update)
         stride = self._world * self._layout.batch_capacity
+        groups = self._gather(ids, step, offsets, exact, None, ids_dtype if for_update else torch.int64)
         return [
             KeyedJaggedTensor(keys=keys, values=indices, offsets=g_offsets, weights=weights, stride=stride)
-            for keys, (indices, g_offsets, weights) in zip(self._keys, self._gather(ids, step, offsets, exact, None))
+            for keys, (indices, g_offsets, weights) in zip(self._keys, groups)
         ]
 
     def tensors(self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, stream: int) -> List[GroupIds]:
@@ -342,20 +349,28 @@ class LookupGroups:
         unless the lookup reads past the bags (``exact_always``), each group's index
         tensor is then the stream's own, the same at every step."""
         exact = self._exact_always
-        return [GroupIds(*group) for group in self._gather(ids, step, offsets, exact, None if exact else stream)]
+        groups = self._gather(ids, step, offsets, exact, None if exact else stream, torch.int64)
+        return [GroupIds(*group) for group in groups]
 
     def _gather(
-        self, ids: torch.Tensor, step: torch.Tensor, offsets: torch.Tensor, exact: bool, stream: Optional[int]
+        self,
+        ids: torch.Tensor,
+        step: torch.Tensor,
+        offsets: torch.Tensor,
+        exact: bool,
+        stream: Optional[int],
+        ids_dtype: torch.dtype,
     ) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
-        """Per group, its ids, offsets and weights (None if unweighted) of a step (see
-        ``kjts``); the index tensors are ``stream``'s own if given (not ``exact``)."""
+        """Per group, its ids (``ids_dtype``), offsets and weights (None if unweighted)
+        of a step (see ``kjts``); the index tensors are ``stream``'s own if given (not
+        ``exact``; then int64)."""
         layout, world, bags = self._layout, self._world, self._bags
         if exact:
             at = offsets.index_select(0, self._bags_dev).tolist()
         reused = self._reused.get(stream) if stream is not None else None
         if stream is not None and reused is None:
             n = world * layout.ids_capacity
-            reused = self._reused[stream] = [self._outputs(n) for _ in self._sizes]
+            reused = self._reused[stream] = [self._outputs(n, torch.int64) for _ in self._sizes]
         groups = []
         for g, (first, size) in enumerate(zip(self._first, self._sizes)):
             lo, hi = bags[g], bags[g + 1]
@@ -363,15 +378,15 @@ class LookupGroups:
             if reused is not None:
                 indices, weights = reused[g]
             else:
-                indices, weights = self._outputs(at[g + 1] - at[g] if exact else world * layout.ids_capacity)
+                indices, weights = self._outputs(at[g + 1] - at[g] if exact else world * layout.ids_capacity, ids_dtype)
             gather_ids(ids, step, world, offsets, indices, weights, first, size, layout, self._weighted)
             groups.append((indices, g_offsets, weights if self._weighted else None))
         return groups
 
-    def _outputs(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, n: int, ids_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """A gather's index tensor of ``n`` ids, and its weights (``_no_weights`` if
         unweighted)."""
-        indices = torch.empty(n, dtype=torch.int64, device=self._dev)
+        indices = torch.empty(n, dtype=ids_dtype, device=self._dev)
         if not self._weighted:
             return indices, self._no_weights
         return indices, torch.empty(n, dtype=torch.float32, device=self._dev)

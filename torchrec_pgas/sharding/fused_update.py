@@ -1,7 +1,9 @@
 """The owner's training step without FBGEMM's backward: the lookup pools straight from
 the ids slots (``lookup_put``, as in inference) and the backward applies the tables'
 fused optimizer itself: the forward keys and sorts the ids by row (``kernels/update_keys``,
-a stable sort, ``kernels/sort_order``), the backward steps the rows (``kernels/step_verdict``,
+a stable sort, ``kernels/sort_order``; or on GPUs, where the rows fit int32 and the ids
+are unweighted, FBGEMM's ``transpose_embedding_input`` with ``kernels/transpose_bags``
+and ``kernels/transposed_ids``), the backward steps the rows (``kernels/step_verdict``,
 ``kernels/row_update``, ``kernels/run_groups``, ``kernels/run_update``).
 
 FBGEMM's fused backward sorts its whole index tensor, so under autograd the owner's
@@ -42,6 +44,8 @@ from torchrec_pgas.kernels.run_groups import run_groups, sums_shape
 from torchrec_pgas.kernels.run_update import run_update
 from torchrec_pgas.kernels.sort_order import sort_order
 from torchrec_pgas.kernels.step_verdict import step_verdict
+from torchrec_pgas.kernels.transpose_bags import transpose_bags
+from torchrec_pgas.kernels.transposed_ids import transposed_ids
 from torchrec_pgas.kernels.update_keys import key_dtype, packs, update_keys
 
 _OPTIMS = {EmbOptimType.EXACT_SGD: SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: ROWWISE_ADAGRAD}
@@ -58,8 +62,11 @@ class GroupUpdate:
     ``kernels/sort_order``), its count of rows (its keys are below it) and their sort
     keys' dtype, its fused optimizer
     (TorchRec's, whose ``param_groups`` hold the learning rate a schedule sets; None if
-    the lookup has none), and the hyper-parameters the kernels read (``hyper``, float32
-    [HYPER_WORDS], see ``kernels/row_step``) with the values last written there."""
+    the lookup has none), the hyper-parameters the kernels read (``hyper``, float32
+    [HYPER_WORDS], see ``kernels/row_step``) with the values last written there, and
+    where its ids take FBGEMM's ``transpose_embedding_input`` (``transpose_sort``), the
+    op's ``hash_size_cumsum`` (``transposed``, int64 [F + 2]: each feature's first row,
+    then the extra feature's, ``rows``, and the end; see ``kernels/transpose_bags``)."""
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen
     features: torch.Tensor
@@ -71,6 +78,7 @@ class GroupUpdate:
     mean: bool
     optimizer: Optional[torch.optim.Optimizer]
     hyper: torch.Tensor
+    transposed: Optional[torch.Tensor] = None
     written: Tuple[float, ...] = ()
 
     def hyper_parameters(self) -> Tuple[float, ...]:
@@ -143,6 +151,33 @@ def sort_positions(keys: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.fbgemm.get_unique_indices_with_inverse(keys, rows, False, True)[3]
 
 
+def transpose_info_bits(features: int, bags_per_feature: int) -> Optional[int]:
+    """The low bits of FBGEMM's infos that hold a bag (the rest hold its feature) for a
+    group of ``features`` features (and the extra one of ``kernels/transpose_bags``) of
+    ``bags_per_feature`` bags each, or None if the infos, int32 and read as signed by
+    ``kernels/transposed_ids``, cannot hold both."""
+    bits = max(1, (bags_per_feature - 1).bit_length())
+    return bits if (features + 1) << bits < 2**31 else None
+
+
+def transpose_sort(
+    transposed: torch.Tensor, rows: int, offsets: torch.Tensor, indices: torch.Tensor, bags_per_feature: int, bits: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stable sort of a group's row keys by FBGEMM's ``transpose_embedding_input``:
+    the sorted keys (``rows`` past the batch's ids) and each one's feature and bag
+    (``feature << bits | bag``), both int32 [N], and the offsets the op was given
+    (``kernels/transpose_bags``, which zeroes ``indices``, int32, past the ids;
+    ``offsets`` start at 0). The op
+    keys, sorts and run-length encodes in one call (the runs are not used): TorchRec's
+    backward sorts its ids the same way."""
+    offsets_out = torch.empty(offsets.numel() + bags_per_feature, dtype=torch.int32, device=indices.device)
+    transpose_bags(offsets, indices, offsets_out, bags_per_feature)
+    _, keys, infos, *_ = torch.ops.fbgemm.transpose_embedding_input(
+        transposed, max(1, rows.bit_length()), indices, offsets_out, False, None, bits, (1 << bits) - 1
+    )
+    return keys, infos, offsets_out
+
+
 @dataclass
 class SortedIds:
     """One lookup group's ids of a step as its update reads them (``prepare``): the
@@ -197,11 +232,27 @@ class FusedUpdate:
                     mean=bool(mean),
                     optimizer=getattr(m, "fused_optimizer", None),
                     hyper=torch.zeros(HYPER_WORDS, dtype=torch.float32, device=self._dev),
+                    transposed=self._transposed(first_rows, rows),
                 )
             )
             col += dims[-1]
         self._tbes, self._groups = tbes, groups
         return groups
+
+    def _transposed(self, first_rows: List[int], rows: int) -> Optional[torch.Tensor]:
+        """``GroupUpdate.transposed`` for a group whose features' tables start at
+        ``first_rows`` (FBGEMM's ``hash_size_cumsum``, ``rows`` last), or None where
+        its ids take the other sort: FBGEMM's op runs on GPUs only, reads int32 ids
+        only where every row fits int32, and keeps no per-sample weights."""
+        if self._dev.type != "cuda" or self._weighted or key_dtype(rows) != torch.int32:
+            return None
+        return torch.tensor(first_rows + [rows], dtype=torch.int64, device=self._dev)
+
+    def ids_dtype(self, groups: Sequence[GroupUpdate]) -> torch.dtype:
+        """The dtype of the index tensors ``prepare`` reads: int32 where every group's
+        rows fit it (its ids, checked to lie in their tables, then do too), which
+        ``transpose_sort`` needs and which halves the copy of the ids."""
+        return torch.int32 if all(g.keys == torch.int32 for g in groups) else torch.int64
 
     def refresh(self) -> None:
         """Before a CUDA graph's replay: each group's learning rate from its fused
@@ -229,9 +280,33 @@ class FusedUpdate:
         for group, kjt in zip(groups, kjts):
             indices, offsets = kjt.values(), kjt.offsets()
             n, scaled, dev = indices.numel(), self._scaled(group), indices.device
+            bits = transpose_info_bits(group.features.size(0), bags_per_feature)
+            if group.transposed is not None and indices.dtype == torch.int32 and bits is not None:
+                keys, infos, offsets_out = transpose_sort(
+                    group.transposed, group.rows, offsets, indices, bags_per_feature, bits
+                )
+                ids = self._sorted_ids(n, keys.dtype, scaled, dev)
+                transposed_ids(
+                    keys,
+                    infos,
+                    offsets_out,
+                    group.features,
+                    group.tables,
+                    ids.keys,
+                    ids.src,
+                    ids.scale,
+                    ids.table_index,
+                    group.rows,
+                    bags_per_feature,
+                    pitch,
+                    bits,
+                    scaled,
+                )
+                prepared.append(ids)
+                continue
             packed = packs(group.keys, bags_per_feature, pitch)
             keys = torch.empty(n, dtype=group.keys, device=dev)
-            src = torch.empty_like(indices)
+            src = torch.empty(n, dtype=torch.int64, device=dev)
             scale = torch.empty(n, dtype=torch.float32, device=dev) if scaled else self._no_weights
             update_keys(
                 offsets,
@@ -249,12 +324,7 @@ class FusedUpdate:
                 packed,
             )
             order = sort_positions(keys, group.rows)
-            ids = SortedIds(
-                torch.empty_like(keys),
-                torch.empty_like(src),
-                torch.empty_like(scale) if scaled else scale,
-                torch.empty(n, dtype=torch.int32, device=dev),
-            )
+            ids = self._sorted_ids(n, keys.dtype, scaled, dev)
             sort_order(
                 keys,
                 order,
@@ -272,6 +342,16 @@ class FusedUpdate:
             )
             prepared.append(ids)
         return prepared
+
+    def _sorted_ids(self, n: int, keys: torch.dtype, scaled: bool, device: torch.device) -> SortedIds:
+        """The arrays of ``n`` sorted positions either sort fills (``keys`` their keys'
+        dtype; a scale per position only if ``scaled``)."""
+        return SortedIds(
+            torch.empty(n, dtype=keys, device=device),
+            torch.empty(n, dtype=torch.int64, device=device),
+            torch.empty(n, dtype=torch.float32, device=device) if scaled else self._no_weights,
+            torch.empty(n, dtype=torch.int32, device=device),
+        )
 
     def apply(
         self,

@@ -282,7 +282,10 @@ class DeviceTwExchange(DeviceTwSetup):
         route.ids_step = step
         if updates is None:
             return self._no_rows
-        ids = self._groups.kjts(buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True)
+        ids_dtype = self._update.ids_dtype(updates)
+        ids = self._groups.kjts(
+            buffers.ids, lookup.ids_step, lookup.offsets, exact=False, for_update=True, ids_dtype=ids_dtype
+        )
         pitch = self._all_rows.shape[1]
         prepared = self._update.prepare(updates, ids, batch.bags_per_feature, pitch)
         update = PendingUpdate(self._update, updates, prepared, pitch, route.record, buffers.err, self._t.world_size)
