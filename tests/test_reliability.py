@@ -322,6 +322,53 @@ def test_ids_or_weights_of_a_wrong_dtype_raise_on_every_rank(owners):
     run_ranks(_bad_dtypes, WORLD, owners=owners)
 
 
+# ------------------------------------------------------------ strided inputs
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a view with stride 2 (a column of a wider tensor)."""
+    wide = torch.zeros(t.numel(), 2, dtype=t.dtype)
+    wide[:, 0] = t
+    return wide[:, 0]
+
+
+def _strided_values(rank, world_size, placement, strided_ranks):
+    """KJTs whose values and weights are strided views, sending one owner exactly one
+    id: served as their dense copies are, on every rank, then the next batch too."""
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)
+    ]
+    torch.manual_seed(0)
+    ref = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("cpu"))
+    gen = pgas_tw if placement == "table_wise" else pgas_row_wise
+    owners = [0, 1] if placement == "table_wise" else [None, None]
+    model = shard(
+        ref,
+        {t.name: (gen(o) if o is not None else gen()) for t, o in zip(tables, owners)},
+        world_size,
+        PgasEmbeddingBagCollectionSharder(),
+    )
+    g = torch.Generator().manual_seed(10 + rank)
+    for step in range(3):
+        lengths = torch.tensor([1, 0, 2, 1]) if step < 2 else torch.tensor([0, 1, 1, 2])
+        values = torch.randint(0, 10, (int(lengths.sum()),), generator=g)
+        weights = torch.rand(values.numel(), generator=g)
+        dense = KeyedJaggedTensor(keys=["f0", "f1"], values=values, lengths=lengths, weights=weights)
+        batch = dense
+        if rank in strided_ranks and step < 2:
+            batch = KeyedJaggedTensor(
+                keys=["f0", "f1"], values=_strided(values), lengths=lengths, weights=_strided(weights)
+            )
+        expected = reference_pooled(tables, ref.state_dict(), dense)
+        assert_close_to_reference(model(batch).to_dict(), expected)
+
+
+@pytest.mark.parametrize("placement", ["table_wise", "row_wise"])
+@pytest.mark.parametrize("strided_ranks", [(1,), (0, 1)], ids=["one-rank", "every-rank"])
+def test_strided_values_and_weights_are_served(placement, strided_ranks):
+    run_ranks(_strided_values, WORLD, placement=placement, strided_ranks=strided_ranks)
+
+
 # ---------------------------------------------------------- unknown features
 
 

@@ -44,7 +44,7 @@ from torchrec_pgas.sharding.batch_checks import (
 )
 from torchrec_pgas.sharding.dists import joined_output, send_ids
 from torchrec_pgas.sharding.exchange import HostBatch, PooledLookup, raise_errors
-from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, feature_rows, with_float32_weights
+from torchrec_pgas.sharding.tw_base import BaseTwExchange, PgasInputError, dense_batch, feature_rows
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_SHARDING_TYPES, PGAS_TABLE_WISE, PgasOptions
 
 
@@ -318,8 +318,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._batch_keys is None:
             self._batch_keys = list(features.keys())
         if not features.variable_stride_per_key():
-            # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights.
-            features = with_float32_weights(features)
+            # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights,
+            # and FBGEMM's ops read strided values as if they were dense.
+            features = dense_batch(features)
         return super().input_dist(ctx, features)
 
     def _torchrec_feature_rows(self) -> Dict[str, Tuple[str, int]]:

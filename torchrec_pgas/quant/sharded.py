@@ -59,7 +59,7 @@ from torchrec_pgas.sharding.batch_checks import first_batch_problem, input_probl
 from torchrec_pgas.sharding.dists import PgasPooledEmbeddingDist, send_ids
 from torchrec_pgas.sharding.exchange import Exchange, HostBatch, LookupInput, PooledLookup, raise_errors
 from torchrec_pgas.sharding.rw_exchange import RwExchange
-from torchrec_pgas.sharding.tw_base import PgasInputError, TwFeature, feature_rows, with_float32_weights
+from torchrec_pgas.sharding.tw_base import PgasInputError, TwFeature, dense_batch, feature_rows
 from torchrec_pgas.sharding.tw_exchange import TwExchange
 from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasOptions
@@ -645,7 +645,7 @@ class PgasQuantEmbeddingBagCollection(nn.Module):
         keys = features.keys()
         if self._batch_keys is None:
             self._batch_keys = list(keys)
-        features = with_float32_weights(features)
+        features = dense_batch(features)
         steps = []
         for i, (exchange, wanted, _) in enumerate(self._parts):
             send = functools.partial(send_ids, exchange)

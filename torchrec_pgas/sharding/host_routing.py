@@ -10,7 +10,7 @@ import torch
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.tw_base import InputRouting, with_float32_weights
+from torchrec_pgas.sharding.tw_base import InputRouting, dense_batch
 from torchrec_pgas.transport import Mailbox, SymmetricBuffer, Transport
 
 # ---------------------------------------------------------------- ids routing
@@ -34,7 +34,7 @@ class TableWiseHostIds:
     (which also leaves out other shardings' features)."""
 
     def by_owner(self, kjt: KeyedJaggedTensor, input_pos: Optional[Sequence[int]]) -> KeyedJaggedTensor:
-        return kjt if input_pos is None else with_float32_weights(kjt).permute(list(input_pos))
+        return kjt if input_pos is None else dense_batch(kjt).permute(list(input_pos))
 
     def routable(self, input_pos: Sequence[int], num_keys: Optional[int] = None) -> bool:
         """Any batch: a permute routes it."""
@@ -54,7 +54,7 @@ class RowBlockHostIds:
     def by_owner(self, kjt: KeyedJaggedTensor, input_pos: Optional[Sequence[int]]) -> KeyedJaggedTensor:
         """Any other batch than the sharding's own features in order is permuted into
         that first: the row blocks are per feature in that order."""
-        kjt = with_float32_weights(kjt)
+        kjt = dense_batch(kjt)
         if input_pos is not None:
             kjt = kjt.permute(list(input_pos))
         bucketized, _ = bucketize_kjt_before_all2all(kjt, num_buckets=self._world, block_sizes=self._block_sizes)

@@ -371,18 +371,24 @@ def batch_problem(kjt: Any, expected_keys: Sequence[str]) -> Optional[Tuple[Stat
     return None
 
 
-def with_float32_weights(kjt: Any) -> Any:
-    """``kjt`` with its per-sample weights as the slots store them, float32 (FBGEMM's
-    bucketize and permute take no half-precision weights); ``kjt`` itself if they are
-    already, if it has none, or if it is VBE (refused as such)."""
-    weights = kjt.weights_or_none()
-    if weights is None or weights.dtype == torch.float32 or kjt.variable_stride_per_key():
-        return kjt  # (rebuilt here, a VBE batch would lose its batch sizes)
+def dense_batch(kjt: Any) -> Any:
+    """``kjt`` as FBGEMM's routing ops and the slots read it: values, lengths and
+    per-sample weights dense (the ops read raw pointers, so a strided view, such as a
+    column of a wider tensor, would be read as if it were dense), weights float32
+    (FBGEMM's bucketize and permute take no half-precision weights); ``kjt`` itself if
+    it is so already, or if it is VBE (refused as such; rebuilt here, it would lose its
+    batch sizes)."""
+    if kjt.variable_stride_per_key():
+        return kjt
+    values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
+    dense_weights = weights is None or (weights.dtype == torch.float32 and weights.is_contiguous())
+    if values.is_contiguous() and lengths.is_contiguous() and dense_weights:
+        return kjt
     return type(kjt)(
         keys=kjt.keys(),
-        values=kjt.values(),
-        weights=weights.to(torch.float32),
-        lengths=kjt.lengths(),
+        values=values.contiguous(),
+        weights=weights.to(torch.float32).contiguous() if weights is not None else None,
+        lengths=lengths.contiguous(),
         stride=kjt.stride(),
     )
 

@@ -158,6 +158,17 @@ class _Mapping:
     maps: List[mmap.mmap]
 
 
+def _as_bytes(src: torch.Tensor) -> torch.Tensor:
+    """``src``'s elements in row-major order as one dense run of bytes (uint8 [nbytes]).
+    ``contiguous()`` does not give that: a tensor counts as contiguous whatever the
+    strides of its dims of size 1 (one id of a strided KJT's values, split per owner),
+    and ``view(torch.uint8)`` refuses a last stride other than 1."""
+    flat = src.detach().reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
 class HostTransport(Transport):
     """Shared-memory transport for the ranks of ``pg``, all on this machine.
 
@@ -262,7 +273,7 @@ class HostTransport(Transport):
         mapping.maps.clear()
 
     def put(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
-        data = src.detach().contiguous().view(-1).view(torch.uint8)
+        data = _as_bytes(src)
         buf.handle.peers[peer][offset : offset + data.numel()].copy_(data)
 
     def put_rows(
@@ -276,7 +287,7 @@ class HostTransport(Transport):
         rows = src.size(0)
         if rows == 0 or src.numel() == 0:
             return
-        data = src.detach().contiguous().view(torch.uint8).view(rows, -1)
+        data = _as_bytes(src).view(rows, -1)
         dst = buf.handle.peers[peer][offset:].as_strided((rows, data.size(1)), (row_pitch, 1))
         dst.copy_(data)
 
