@@ -428,6 +428,28 @@ def test_a_dim_not_a_multiple_of_4_is_refused_on_every_rank(kind):
     run_ranks(_unaligned_dim, WORLD, kind=kind)
 
 
+def _bf16_table(rank, world_size, kind):
+    # t0's owner (rank 1) is the only rank whose FBGEMM lookup would raise, at the
+    # first forward; a fp16 table beside it is fine.
+    tables = [
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=DataType.BF16
+        ),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1"], data_type=DataType.FP16
+        ),
+    ]
+    ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    gen = {"pgas_table_wise": pgas_tw, "pgas_row_wise": lambda _: pgas_row_wise("fused")}[kind]
+    with pytest.raises(ValueError, match=r"table\(s\) \['t0'\] are bfloat16 on CPU ranks"):
+        shard(ref, {"t0": gen(1), "t1": pgas_tw(0)}, world_size, PgasEmbeddingBagCollectionSharder())
+
+
+@pytest.mark.parametrize("kind", ["pgas_table_wise", "pgas_row_wise"])
+def test_a_bf16_table_on_cpu_is_refused_on_every_rank(kind):
+    run_ranks(_bf16_table, WORLD, kind=kind)
+
+
 #: How rank 1's model differs from rank 0's, and the table description that says so.
 MISMATCHES = {
     "rows": ("t0", r"'t0': 31 rows"),

@@ -27,7 +27,7 @@ from torchrec.distributed.types import (
     QuantizedCommCodecs,
     ShardingEnv,
 )
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
@@ -72,12 +72,36 @@ def _unaligned_columns(module: EmbeddingBagCollection, params: Dict[str, Paramet
     )
 
 
+def _bf16_on_cpu(
+    module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], device: Optional[torch.device]
+) -> Optional[str]:
+    """FBGEMM's CPU lookup has no bfloat16 kernel: it raises at the first forward, on
+    the ranks that own such a table alone (the others then time out): said here, to
+    be refused on every rank, naming the tables."""
+    if device is None or device.type != "cpu":
+        return None
+    bad = [
+        c.name
+        for c in module.embedding_bag_configs()
+        if c.data_type == DataType.BF16
+        and c.name in params
+        and params[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
+    ]
+    if not bad:
+        return None
+    return (
+        f"table(s) {sorted(bad)} are bfloat16 on CPU ranks: FBGEMM's CPU lookup has no "
+        f"bfloat16 kernel; use fp32 or fp16 tables there, or the 'dense' compute kernel"
+    )
+
+
 def _check_ranks_agree(
     module: EmbeddingBagCollection,
     params: Dict[str, ParameterSharding],
     env: ShardingEnv,
     options: PgasOptions,
     fused_params: Optional[Dict[str, Any]],
+    device: Optional[torch.device],
 ) -> None:
     """Raises on every rank unless every rank builds this module from the same tables,
     plan, output dtype and options, and its plan is one the module can take: a rank
@@ -94,7 +118,8 @@ def _check_ranks_agree(
         table_description(c, module.is_weighted(), placed.get(c.name, "not in the plan"))
         for c in module.embedding_bag_configs()
     ]
-    check_ranks_agree(options, tables, pg, "sharding an EmbeddingBagCollection", _unaligned_columns(module, params))
+    problem = _unaligned_columns(module, params) or _bf16_on_cpu(module, params, device)
+    check_ranks_agree(options, tables, pg, "sharding an EmbeddingBagCollection", problem)
 
 
 class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -482,7 +507,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ShardedPgasEmbeddingBagCollection:
-        _check_ranks_agree(module, params, env, self._pgas_options, self.fused_params)
+        _check_ranks_agree(module, params, env, self._pgas_options, self.fused_params, device)
         return ShardedPgasEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
