@@ -257,7 +257,7 @@ def test_per_sample_weights_of_other_float_dtypes_are_served(mix, dtype, pooling
 def _row_wise_without_rows(rank, world_size):
     tables = [EmbeddingBagConfig(name="tiny", embedding_dim=4, num_embeddings=1, feature_names=["f0"])]
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"pgas_row_wise: ranks \[1\] get no rows of any table .*tables \['tiny'\]"):
+    with pytest.raises(ValueError, match=r"pgas_row_wise: ranks \[1\] get no rows of any table: .*tables \['tiny'\]"):
         shard(ref, {"tiny": pgas_rw()}, world_size, PgasEmbeddingBagCollectionSharder())
 
 

@@ -98,11 +98,22 @@ def _empty_shard(rank, world_size):
         EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f1"]),
     ]
     ref = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"table\(s\) \['t0'\] get no rows on rank 2"):
+    # As many rows as ranks would not be enough: the advice says what is.
+    advice = r"2 \* ceil\(rows / 3\) < rows, e\.g\. a multiple of 3\), or shard it pgas_table_wise"
+    with pytest.raises(ValueError, match=r"table\(s\) \['t0'\] get no rows on rank 2 .*" + advice):
         shard(ref, _placement(tables, pgas_row_wise), world_size, PgasEmbeddingBagCollectionSharder())
+    # A rank that gets no row of any table at all, though the table has more rows than ranks.
+    alone = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=4, feature_names=["f0"])]
+    with pytest.raises(ValueError, match=r"ranks \[2\] get no rows of any table: .*none of tables \['t0'\].*" + advice):
+        shard(
+            EmbeddingBagCollection(tables=alone, device=torch.device("cpu")),
+            _placement(alone, pgas_row_wise),
+            world_size,
+            PgasEmbeddingBagCollectionSharder(),
+        )
 
 
-def test_an_empty_row_shard_beside_other_dims_is_refused_on_every_rank():
+def test_an_empty_row_shard_is_refused_on_every_rank_with_the_right_advice():
     run_ranks(_empty_shard, 3)
 
 

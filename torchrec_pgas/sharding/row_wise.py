@@ -22,6 +22,16 @@ from torchrec_pgas.transport import get_transport
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 
+def _rows_advice(world_size: int) -> str:
+    """How to give a table rows on every rank: row blocks are ``ceil(rows / world)``,
+    so having as many rows as ranks is not enough (4 rows on 3 ranks: 2, 2 and 0)."""
+    return (
+        f"give such a table a row count whose blocks of ceil(rows / {world_size}) reach every rank "
+        f"({world_size - 1} * ceil(rows / {world_size}) < rows, e.g. a multiple of {world_size}), "
+        f"or shard it {PGAS_TABLE_WISE}"
+    )
+
+
 def _refuse_empty_cpu_lookups(configs_per_rank: List[List[Any]]) -> None:
     """Row blocks are ``ceil(rows / world)``, so a small table can leave a rank no rows.
     FBGEMM's CPU lookup then fails on that rank alone when every table of a lookup
@@ -50,28 +60,25 @@ def _refuse_empty_cpu_lookups(configs_per_rank: List[List[Any]]) -> None:
                 continue
             raise ValueError(
                 f"{PGAS_ROW_WISE}: table(s) {empty} get no rows on rank {rank} (row blocks "
-                f"are ceil(rows / world size)) {why}; give those tables at least as many rows "
-                f"as ranks, or shard them {PGAS_TABLE_WISE}"
+                f"are ceil(rows / world size)) {why}; {_rows_advice(len(configs_per_rank))}"
             )
 
 
 def _refuse_ranks_without_rows(configs_per_rank: List[List[Any]]) -> None:
-    """A rank that holds no row of any table (every table has fewer rows than ranks)
-    has no lookup to run, which FBGEMM does not take: refuse the plan on every rank
-    (it is the same on every rank) rather than fail on that rank alone."""
-    tables = [t for config in configs_per_rank[0] for t in config.embedding_tables] if configs_per_rank else []
+    """A rank that holds no row of any table has no lookup to run, which FBGEMM does
+    not take: refuse the plan on every rank (it is the same on every rank) rather than
+    fail on that rank alone."""
     empty = [
         rank
         for rank, configs in enumerate(configs_per_rank)
         if not any(t.local_rows > 0 for config in configs for t in config.embedding_tables)
     ]
     if empty:
-        small = [t.name for t in tables if t.num_embeddings < len(configs_per_rank)]
+        tables = sorted(t.name for config in configs_per_rank[empty[0]] for t in config.embedding_tables)
         raise ValueError(
-            f"{PGAS_ROW_WISE}: ranks {empty} get no rows of any table (row blocks are "
-            f"ceil(rows / world size) = ceil(rows / {len(configs_per_rank)}), and tables {small} "
-            f"have fewer rows than ranks); give a {PGAS_ROW_WISE} table at least as many "
-            f"rows as ranks, or shard the small ones {PGAS_TABLE_WISE}"
+            f"{PGAS_ROW_WISE}: ranks {empty} get no rows of any table: row blocks are "
+            f"ceil(rows / {len(configs_per_rank)}), and none of tables {tables} reaches those "
+            f"ranks; {_rows_advice(len(configs_per_rank))}"
         )
 
 
