@@ -1303,6 +1303,18 @@ def test_update_keys_tile_follows_ids_per_bag(k):
     assert uk.tile_shape(100000, 1) == (uk.TILE // uk.MAX_J, uk.MAX_J)
 
 
+def _unfilled_sorted_ids(n: int, scaled: bool) -> Tuple[torch.Tensor, ...]:
+    """The four arrays a sort of the update fills (keys, gradient rows, scales and
+    tables of ``n`` sorted positions), holding values no kernel writes; a one-element
+    placeholder for the scales if not ``scaled``."""
+    return (
+        torch.full((n,), -1, dtype=torch.int32),
+        torch.full((n,), -1, dtype=torch.int64),
+        torch.full((n,), float("nan")) if scaled else torch.empty(1),
+        torch.full((n,), -1, dtype=torch.int32),
+    )
+
+
 @_interpreted
 @pytest.mark.parametrize("scaled", [False, True])
 def test_packed_words_sort_as_the_keys_and_gradient_rows_they_hold(k, scaled):
@@ -1332,12 +1344,7 @@ def test_packed_words_sort_as_the_keys_and_gradient_rows_they_hold(k, scaled):
             offsets, indices, weights, features, keys, src, scale, B, pitch, rows, scaled, False, packed
         )  # fmt: skip
         order = sort_positions(keys, rows)
-        out = (
-            torch.full((n,), -1, dtype=torch.int32),
-            torch.full((n,), -1, dtype=torch.int64),
-            torch.full((n,), float("nan")) if scaled else scale,
-            torch.full((n,), -1, dtype=torch.int32),
-        )
+        out = _unfilled_sorted_ids(n, scaled)
         k.sort_order.sort_order(keys, order, rows, offsets, src, scale, tables, *out, scaled, packed)
         outs.append(out)
     ids = int(offsets[-1] - offsets[0])
@@ -1448,12 +1455,7 @@ def test_transposed_ids_equal_the_other_sort(k, seed, scaled, monkeypatch):
     scale = torch.empty(n) if scaled else torch.empty(1)
     k.update_keys.update_keys(offsets, indices, scale, features, keys, src, scale, B, pitch, rows, scaled, False, False)
     order = sort_positions(keys, rows)
-    expected = (
-        torch.full((n,), -1, dtype=torch.int32),
-        torch.full((n,), -1, dtype=torch.int64),
-        torch.full((n,), float("nan")) if scaled else scale,
-        torch.full((n,), -1, dtype=torch.int32),
-    )
+    expected = _unfilled_sorted_ids(n, scaled)
     k.sort_order.sort_order(keys, order, rows, offsets, src, scale, tables, *expected, scaled, False)
 
     bits = transpose_info_bits(F, B)
@@ -1464,12 +1466,7 @@ def test_transposed_ids_equal_the_other_sort(k, seed, scaled, monkeypatch):
     _, sorted_keys, infos, *_ = _transpose_embedding_input(
         hash_size_cumsum, rows.bit_length(), ids32, out_offsets, False, None, bits, (1 << bits) - 1
     )
-    got = (
-        torch.full((n,), -1, dtype=torch.int32),
-        torch.full((n,), -1, dtype=torch.int64),
-        torch.full((n,), float("nan")) if scaled else torch.empty(1),
-        torch.full((n,), -1, dtype=torch.int32),
-    )
+    got = _unfilled_sorted_ids(n, scaled)
     k.transposed_ids.transposed_ids(
         sorted_keys, infos, out_offsets, features, tables, *got, rows, B, pitch, bits, scaled
     )  # fmt: skip

@@ -342,10 +342,9 @@ class ShardedPgasEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return self._refused_input_dist(ctx, features, problem)
         if self._batch_keys is None:
             self._batch_keys = list(features.keys())
-        if not features.variable_stride_per_key():
-            # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights,
-            # and FBGEMM's ops read strided values as if they were dense.
-            features = dense_batch(features)
+        # As the PGAS slots hold them: TorchRec's permute takes no bfloat16 weights, and
+        # FBGEMM's ops read strided values as if they were dense (VBE batches as they are).
+        features = dense_batch(features)
         return super().input_dist(ctx, features)
 
     def _torchrec_feature_rows(self) -> Dict[str, Tuple[str, int]]:
